@@ -108,15 +108,11 @@ class AttentionGate(nn.Module):
             GateConfigError: :attr:`counted_queries` not ``(batch, ≥ q)`` for ``valid``'s batch and queries.
         """
         q, k = valid.shape[-2], valid.shape[-1]
-        extent = self.key_extent
-        if q <= k and extent is None:  # a query row whose own key is masked is padding (its real keys are not its
-            # edges to count)
-            own = valid[..., torch.arange(q, device=valid.device), torch.arange(k - q, k, device=valid.device)]
-            valid = valid & own[..., None]
-        elif q <= k and extent is not None:
-            # a static cache: the own keys end at the filled slots (until 2026-11-29 read at k − q + i there, in
-            # unfilled slots: every row taken for padding, no edge counted)
-            own_col = (extent.to(valid.device) - q + torch.arange(q, device=valid.device)).clamp(0, k - 1)
+        if q <= k:  # a query row whose own key is masked is padding (its real keys are not its edges to count)
+            # the own keys end at the last key, or at a static cache's last filled slot (until 2026-11-29 read at
+            # k − q + i there too, in unfilled slots: every row taken for padding, no edge counted)
+            end = k if self.key_extent is None else self.key_extent.to(valid.device)
+            own_col = (end - q + torch.arange(q, device=valid.device)).clamp(0, k - 1)
             own = valid.gather(-1, own_col.view(*([1] * (valid.dim() - 2)), q, 1).expand(*valid.shape[:-1], 1))
             valid = valid & own
         rows = self.counted_queries
