@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigMismatchError, ShapeError
-from ..formats.hook_sites import check_centred_residual
+from ..formats.hook_sites import centre_residual_input_
 from ..modules.sae import SparseAutoencoder
 from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, load_keyed
@@ -91,14 +91,16 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         return None
 
     def check(self, key: Any, module: SparseAutoencoder) -> str:
-        """Validate ``(key, module)`` for this model and return the normalised key.
+        """Validate ``(key, module)`` for this model and return the normalised key. An SAE trained on
+        TransformerLens's centred residual (a Llamascopium file, SAELens with ``center_writing_weights``) reading a
+        residual hook of a LayerNorm family has the centring folded into its encoder, in place
+        (:func:`~..formats.hook_sites.centre_residual_input_`).
 
         Raises:
             ConfigMismatchError: a key that is not a module path of the model, or an SAE whose ``d_in`` is not the
                 site's known width.
-            UnsupportedArchitectureError: an SAE trained on TransformerLens's centred residual (a Llamascopium file,
-                or SAELens with ``center_writing_weights``) on a LayerNorm family
-                (:func:`~..formats.hook_sites.check_centred_residual`).
+            CheckpointError: a SAELens SAE on such a hook whose file does not say which residual it was trained on.
+            UnsupportedArchitectureError: such an SAE rescaling each input by its norm (``constant_norm_rescale``).
 
         Source: ours (the shared contract of this package's replacement sets).
         """
@@ -111,7 +113,7 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         width = self.known_width(key)
         if width is not None and module.cfg.d_in != width:
             raise ConfigMismatchError(f"SAE for {key} has d_in={module.cfg.d_in}; that site's output has width {width}")
-        check_centred_residual(module, self.adapter, hf_module(self.model))
+        centre_residual_input_(module, self.adapter, hf_module(self.model))
         return key
 
     def site_path(self, key: str) -> str:

@@ -46,13 +46,14 @@ import torch
 from .._repr import FieldsRepr
 from ..adapters.base import norm_gain
 from ..errors import ConfigMismatchError, UnsupportedArchitectureError
+from .validate import refuse
 
 __all__ = ["ATTENTION_NORMALIZED_HOOK", "ATTENTION_OUTPUT_HOOK", "ATTENTION_SITE", "MLP_INPUT_HOOKS", "MLP_IN_HOOK",
-           "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "CENTRED_HOOKS", "HookSite", "MLPSiteIO", "check_centred_residual",
+           "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "CENTRED_HOOKS", "HookSite", "MLPSiteIO", "centre_residual_input_",
            "attention_norm_unfolded", "check_lorsa_hooks", "check_mlp_hooks",
            "fold_attention_norm_", "has_resid_mid", "hook_record", "lorsa_reads_attention_input", "mlp_site_io",
            "rms_normalized", "sae_site_path", "site_record", "sparsify_hookpoint_site", "transcoder_layer",
-           "transformer_lens_hook_site"]
+           "trained_centred", "transformer_lens_hook_site", "writes_centred"]
 
 
 @dataclass(frozen=True)
@@ -443,16 +444,18 @@ def check_mlp_hooks(module: Any, adapter: Any, root: Any, layers: Iterable[int])
         root: the model's torch module (the Hugging Face model) the adapter's paths address.
         layers: the model layers whose MLP it replaces.
 
+    A module trained on TransformerLens's centred residual (a Llamascopium file, SAELens with
+    ``center_writing_weights``) reading a residual hook on a LayerNorm family has the centring folded into its
+    encoder first (:func:`centre_residual_input_`).
+
     Raises:
         UnsupportedArchitectureError: such a hook, naming the key, the hook, the layer, the site we would use
-            and why it differs; a residual hook read from TransformerLens's centred residual on a LayerNorm family
-            (:func:`check_centred_residual`).
+            and why it differs; :func:`centre_residual_input_`'s refusals.
+        CheckpointError: :func:`centre_residual_input_`'s (a SAELens file that does not say which residual it
+            was trained on).
     """
-    check_centred_residual(module, adapter, root)
     record = hook_record(module)
-    if not record:
-        return
-    for layer in layers:
+    for layer in layers if record else ():
         for key in ("feature_input_hook", "feature_output_hook"):
             why = _hook_problem(key, record.get(key), root, adapter, layer)
             if why is not None:
@@ -463,6 +466,7 @@ def check_mlp_hooks(module: Any, adapter: Any, root: Any, layers: Iterable[int])
                     f"{why}; "
                     "attaching it there would compute something it was not trained on (docs/formats.md, "
                     "circuit-tracer hooks)")
+    centre_residual_input_(module, adapter, root)  # last: a refusal above leaves the module as it was
 
 
 # ------------------------------------------------------------------ a Lorsa's hooks (Llamascopium files)
@@ -665,15 +669,25 @@ CENTRED_HOOKS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_ml
                  "hook_attn_out")
 
 
-def _trained_centred(module: Any) -> bool:
-    """Whether ``module``'s file says it was trained on a TransformerLens model with centred writing weights:
-    every Llamascopium file (its TransformerLens backend loads the model with the default processing,
-    ``center_writing_weights=True``: ``backend/language_model.py``) and a SAELens file whose
-    ``metadata.model_from_pretrained_kwargs`` asks for it."""
-    if _lorsa_record(module) is not None:
-        return True
+def trained_centred(module: Any) -> bool | None:
+    """Whether ``module`` was trained on TransformerLens's centred residual stream (a ``HookedTransformer`` with
+    ``center_writing_weights``): True for every Llamascopium file (its TransformerLens backend loads the model with
+    the default processing: ``backend/language_model.py``) but one this package wrote, which says which in its
+    header (``nnsight_lorsa.center_writing_weights``); a SAELens file's own record (True, False, or None where
+    the file does not say: :func:`~.saelens._centred_training`); False for every other module (this package's,
+    sparsify's and circuit-tracer's train on the Hugging Face model).
+
+    Source: TransformerLens ``weight_processing.py`` (``center_writing_weights``); Llamascopium
+    ``backend/language_model.py``; SAELens ``config.py`` (``model_from_pretrained_kwargs``).
+    """
+    record = _lorsa_record(module)
+    if record is not None:  # a file this package wrote says which (CENTRED_METADATA_KEY); theirs were
+        return bool(record.get("center_writing_weights", True))
     saelens = _extra(module).get("saelens")
-    return isinstance(saelens, dict) and bool(saelens.get("center_writing_weights"))
+    if not isinstance(saelens, dict):
+        return False
+    value = saelens.get("center_writing_weights", False)
+    return value if value is None else bool(value)
 
 
 def _layer_norm_family(adapter: Any, root: Any) -> bool:
@@ -695,24 +709,88 @@ def _input_hook(module: Any) -> Any:
     return None
 
 
-def check_centred_residual(module: Any, adapter: Any, root: Any) -> None:
-    """Refuse a module trained on TransformerLens's mean-free residual stream (:func:`_trained_centred`) that would
-    read the model's own residual here: a hook of :data:`CENTRED_HOOKS` it reads (its file's input hook) on a
-    LayerNorm family. The Hugging Face residual keeps its
-    mean: fed it, such an SAE's features were 1.3x off and every token's active set differed (a tiny GPT-2).
+def _output_hook(module: Any) -> Any:
+    """The hook name a module's file says it writes (circuit-tracer ``feature_output_hook``, llamascopium
+    ``hook_point_out``, SAELens ``hook_name_out``, else an SAE's ``hook_name``), or None."""
+    extra = _extra(module)
+    for fmt, key in (("circuit_tracer", "feature_output_hook"), ("llamascopium", "hook_point_out"),
+                     ("saelens", "hook_name_out"), ("saelens", "hook_name")):
+        record = extra.get(fmt)
+        if isinstance(record, dict) and isinstance(record.get(key), str):
+            return record[key]
+    return None
+
+
+def _centre_encoder_(module: Any) -> None:
+    """Fold ``x ↦ x − mean(x)`` (over ``d_in``) into ``module``'s encoder, in place: ``W_enc``'s ``d_in`` axis and a
+    skip path's input axis made mean-free; an SAE subtracting ``b_dec`` before its encoder keeps
+    ``(x − mean x − b_dec) W_enc + b_enc`` with ``b_enc −= mean(b_dec) · Σ_i W_enc[i]``. Computed in fp64, stored in
+    the weights' dtype. Idempotent: a mean-free encoder reads ``x`` and ``x − mean(x)`` alike."""
+    with torch.no_grad():
+        w_enc = module.W_enc
+        axis = w_enc.dim() - 2  # (d_in, d_sae), or a CLT's (n_layers, d_in, d_sae)
+        w64 = w_enc.detach().double()
+        if getattr(module.cfg, "apply_b_dec_to_input", False):
+            shift = module.b_dec.detach().double().mean(-1, keepdim=True)
+            module.b_enc.copy_((module.b_enc.detach().double() - shift * w64.sum(axis)).to(module.b_enc.dtype))
+        w_enc.copy_((w64 - w64.mean(axis, keepdim=True)).to(w_enc.dtype))
+        skip = getattr(module, "W_skip", None)
+        if isinstance(skip, torch.Tensor):  # (…, d_out, d_in)
+            s64 = skip.detach().double()
+            skip.copy_((s64 - s64.mean(-1, keepdim=True)).to(skip.dtype))
+
+
+def centre_residual_input_(module: Any, adapter: Any, root: Any) -> bool:
+    """Make a module trained on TransformerLens's centred residual stream (:func:`trained_centred`) read the
+    model's own: where its file's input hook is one of :data:`CENTRED_HOOKS` and the model's norms are
+    LayerNorms (GPT-2, GPT-NeoX: TransformerLens's ``center_writing_weights`` centres ``W_E``, ``W_pos``, ``W_O``,
+    ``W_out`` and their biases over ``d_model``, so its residual is the model's minus its per-token mean), the
+    centring is folded into the encoder in place (``_centre_encoder_``; idempotent). Its output is left in
+    TransformerLens's form: every reader of a LayerNorm model's residual subtracts the mean first, so the logits
+    are those of TransformerLens's model (``evaluate`` measures FVU against the centred target:
+    :func:`writes_centred`). Returns whether it folded.
 
     Raises:
-        UnsupportedArchitectureError: naming the family, the hook and the reason.
+        CheckpointError: a SAELens file that records neither ``center_writing_weights`` nor its training version
+            (which residual it was trained on is unknown), naming the hook and how to say it.
+        UnsupportedArchitectureError: an SAE that rescales each input by its norm (``constant_norm_rescale``):
+            the norm of the centred residual is another, which no fold reproduces.
 
     Source: TransformerLens ``weight_processing.py`` (``center_writing_weights``, LayerNorm models only);
     Llamascopium ``backend/language_model.py``; SAELens ``saes/sae.py`` (``model_from_pretrained_kwargs``).
     """
     reads = _input_hook(module)
-    hook = _tl_suffix(reads)
-    if hook not in CENTRED_HOOKS or not _trained_centred(module) or not _layer_norm_family(adapter, root):
-        return
-    raise UnsupportedArchitectureError(
-        f"{adapter.family}: the module reads {reads!r}, which its file says was TransformerLens's residual with "
-        "centred writing weights (center_writing_weights: W_E, W_pos, W_O, W_out mean-free over d_model, on "
-        "LayerNorm models): the model's own residual keeps its mean, which this package does not remove at the "
-        "site — the module would run on another tensor than it was trained on")
+    if _tl_suffix(reads) not in CENTRED_HOOKS or not _layer_norm_family(adapter, root):
+        return False
+    centred = trained_centred(module)
+    if centred is False:
+        return False
+    if centred is None:
+        refuse(
+            None,
+            f"{adapter.family}: the {type(module).__name__} reads {reads!r}, and its SAELens cfg.json records neither "
+            "model_from_pretrained_kwargs.center_writing_weights nor sae_lens_training_version, so whether it was "
+            "trained on TransformerLens's centred residual (center_writing_weights, the default before SAELens "
+            "3.19.2; on LayerNorm models that residual is the model's minus its mean) is unknown. Load it by its "
+            "SAELens release (load(release, sae_id=...): gpt2-small-res-jb records true) or say it: "
+            "load(path, config_overrides={'model_from_pretrained_kwargs': {'center_writing_weights': True}}) "
+            "(or False)")
+    if getattr(module.cfg, "normalize_activations", "none") == "constant_norm_rescale":
+        raise UnsupportedArchitectureError(
+            f"{adapter.family}: the {type(module).__name__} reads {reads!r} from TransformerLens's centred residual "
+            "and rescales each input by its norm (normalize_activations: constant_norm_rescale): the model's "
+            "residual keeps its mean, and the norm of the centred one is another, which no fold of the weights "
+            "reproduces")
+    _centre_encoder_(module)
+    return True
+
+
+def writes_centred(module: Any, adapter: Any, root: Any) -> bool:
+    """Whether ``module``'s output is TransformerLens's centred form of the tensor it replaces (its file's output
+    hook one of :data:`CENTRED_HOOKS`, trained centred, a LayerNorm family): the model's tensor minus its
+    per-token mean is what it reconstructs (``evaluate``'s FVU target).
+
+    Source: TransformerLens ``weight_processing.py`` (``center_writing_weights``).
+    """
+    return (_tl_suffix(_output_hook(module)) in CENTRED_HOOKS and trained_centred(module) is True
+            and _layer_norm_family(adapter, root))

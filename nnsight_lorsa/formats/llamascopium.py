@@ -172,7 +172,7 @@ from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
 from ..modules.rotary import RotaryConfig, rotary_cos_sin
 from .files import load_safetensors, read_json_object, read_safetensors_header
-from .hook_sites import ATTENTION_SITE, attention_norm_unfolded, lorsa_reads_attention_input
+from .hook_sites import ATTENTION_SITE, attention_norm_unfolded, lorsa_reads_attention_input, trained_centred
 from .reader import Parsed, Reader, read
 from .validate import (
     Field,
@@ -195,6 +195,10 @@ WEIGHTS_FILE = "sae_weights.safetensors"
 #: attention module's input (the pre-attention norm's output, gain included) and writes its output, as every Lorsa
 #: of this package does — their files (TransformerLens's ``ln1.hook_normalized``, before the gain) carry none
 SITE_METADATA_KEY = "nnsight_lorsa.site"
+#: safetensors header key of files this package writes: ``"true"`` / ``"false"``, whether the Lorsa was trained on
+#: TransformerLens's centred residual (:func:`~.hook_sites.trained_centred`: their files, which carry none, were;
+#: a Lorsa of this package was not) — what its ``hook_attn_out`` target is on a LayerNorm model
+CENTRED_METADATA_KEY = "nnsight_lorsa.center_writing_weights"
 TRAINER_STATE_FILE = "trainer.pt"  # their Trainer.save_checkpoint's pickle: only its presence is checked
 NORM_PREFIX = "dataset_average_activation_norm."
 # buffers their module registers (validated when present) or that some versions add (ignored)
@@ -507,7 +511,9 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     weights_path = _require_weights(directory)
     state = load_safetensors(weights_path)
     # written by this package: its Lorsa reads the attention's input (SITE_METADATA_KEY); their files say nothing
-    site = read_safetensors_header(weights_path)[1].get(SITE_METADATA_KEY)
+    header = read_safetensors_header(weights_path)[1]
+    site = header.get(SITE_METADATA_KEY)
+    centred = {"true": True, "false": False}.get(str(header.get(CENTRED_METADATA_KEY)))
     params, norms_raw = _split_state(weights_path, state, cfg, settings["n_ctx"], settings["rotary_scale"])
     table = state.get("rotary_cos")
     if cfg.rotary is not None and table is not None and table.dtype in (torch.bfloat16, torch.float16):
@@ -551,6 +557,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
             "stored_dtype": str(settings["stored_dtype"]).removeprefix("torch."),
             "source_config": settings["source_config"],
             **({"site": ATTENTION_SITE} if site == ATTENTION_SITE else {}),
+            **({"center_writing_weights": centred} if centred is not None else {}),
         }
     }
     return w
@@ -702,7 +709,8 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
         unfolded = attention_norm_unfolded(lorsa, get_adapter(model), torch_module(model), cfg.layer)
         state.update({k: v.to("cpu").contiguous() for k, v in unfolded.items()})
         marked = False  # the TransformerLens form: what their library feeds it
-    header = {"format": "pt", **({SITE_METADATA_KEY: ATTENTION_SITE} if marked else {})}
+    header = {"format": "pt", **({SITE_METADATA_KEY: ATTENTION_SITE} if marked else {}),
+              CENTRED_METADATA_KEY: str(trained_centred(lorsa) is True).lower()}
     with atomic_directory(directory) as stage:
         stage.save_tensors(WEIGHTS_FILE, state, header)
         stage.write_text(CONFIG_FILE, text)

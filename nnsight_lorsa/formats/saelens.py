@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,7 @@ from ..errors import ArgumentError, UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
-from .hook_sites import site_record
+from .hook_sites import site_record, trained_centred
 from .reader import Parsed, Reader, read
 from .sparse_coder_format import kind_of
 from .validate import (
@@ -288,6 +289,81 @@ def _activation_params(raw: dict[str, Any], path: Path, arch: str, activation: s
     return params
 
 
+#: SAELens trained on a ``HookedTransformer`` loaded with TransformerLens's default weight processing
+#: (``center_writing_weights=True`` on LayerNorm models) until 3.19.2, and with ``from_pretrained_no_processing``
+#: since (2024-09-04, SAELens PR #279, "default to using no processing when training SAEs")
+_NO_PROCESSING_SINCE = (3, 19, 2)
+
+
+#: pre-6.0 spellings SAELens renames (``handle_pre_6_0_config``)
+_PRE6_NAMES = {"hook_point": "hook_name", "hook_point_head_index": "hook_head_index",
+               "activation_fn_str": "activation_fn"}
+
+
+def _pre6_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A ``cfg.json`` as SAELens reads it: one without ``sae_lens_version`` (top level or ``metadata``) or older than
+    6.0 goes through SAELens's ``handle_pre_6_0_config`` — the renames of :data:`_PRE6_NAMES`; ``activation_fn:
+    topk`` with ``activation_fn_kwargs.k`` is a TopK SAE of that ``k`` whatever ``architecture`` says (SAELens ≤ 5
+    wrote TopK SAEs as ``standard`` so); a ``topk`` architecture takes ``k`` from ``activation_fn_kwargs``; a boolean
+    ``normalize_activations`` is ``expected_average_only_in`` / ``none``. Others are returned as they are.
+
+    Source: SAELens ``loading/pretrained_sae_loaders.py`` (``handle_config_defaulting``, ``handle_pre_6_0_config``).
+    """
+    metadata: dict[str, Any] = raw["metadata"] if isinstance(raw.get("metadata"), dict) else {}
+    version = _version(raw.get("sae_lens_version") or metadata.get("sae_lens_version"))
+    if version is not None and version >= (6, 0, 0):
+        return raw
+    out = {_PRE6_NAMES.get(k, k) if _PRE6_NAMES.get(k, k) not in raw else k: v for k, v in raw.items()}
+    kwargs: dict[str, Any] = out["activation_fn_kwargs"] if isinstance(out.get("activation_fn_kwargs"), dict) else {}
+    if out.get("activation_fn") == "topk" and kwargs.get("k") is not None:
+        out["architecture"] = "topk"
+    if out.get("architecture") == "topk" and kwargs.get("k") is not None:
+        out["k"] = kwargs["k"]
+    if isinstance(out.get("normalize_activations"), bool):
+        out["normalize_activations"] = "expected_average_only_in" if out["normalize_activations"] else "none"
+    return out
+
+
+def _version(value: Any) -> tuple[int, ...] | None:
+    """``"3.19.1"`` / ``"6.0.0-rc.0"`` -> ``(3, 19, 1)`` / ``(6, 0, 0)``; None for anything else."""
+    if not isinstance(value, str):
+        return None
+    match = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", value.strip())
+    return None if match is None else tuple(int(g or 0) for g in match.groups())
+
+
+def _centred_training(raw: dict[str, Any], metadata: dict[str, Any], path: Path) -> bool | None:
+    """Whether a SAELens ``cfg.json`` says its coder was trained on TransformerLens's centred residual stream
+    (a ``HookedTransformer`` with ``center_writing_weights``; on LayerNorm models every write to the residual is
+    then mean-free over ``d_model``): ``model_from_pretrained_kwargs.center_writing_weights`` where recorded (in
+    ``metadata``, or flat in a pre-6.0 file or a release's ``config_overrides``); else False for a model class
+    other than ``HookedTransformer``; else by ``sae_lens_training_version``: before 3.19.2 SAELens trained with
+    TransformerLens's default processing (True), since without it (False); None where the file records neither
+    (a pre-SAELens-3 file such as the ``gpt2-small-res-jb`` folders, or one written by other code).
+
+    Raises:
+        CheckpointError: ``model_from_pretrained_kwargs`` not a mapping, or its ``center_writing_weights`` not a
+            bool.
+
+    Source: SAELens ``config.py`` (``model_from_pretrained_kwargs`` defaults), ``saes/sae.py`` (its warning to load
+    the model with them), ``pretrained_saes.yaml`` (``gpt2-small-res-jb``'s ``config_overrides``); SAELens PR #279.
+    """
+    kwargs = metadata.get("model_from_pretrained_kwargs", raw.get("model_from_pretrained_kwargs"))
+    require(kwargs is None or isinstance(kwargs, dict), path,
+            f"key 'model_from_pretrained_kwargs' must be a mapping (TransformerLens from_pretrained keywords), got "
+            f"{kwargs!r}")
+    if kwargs is not None and "center_writing_weights" in kwargs:
+        value = kwargs["center_writing_weights"]
+        require(isinstance(value, bool), path, "key 'model_from_pretrained_kwargs.center_writing_weights' must be "
+                f"true or false, got {value!r}")
+        return bool(value)
+    model_class = metadata.get("model_class_name", raw.get("model_class_name"))
+    if model_class is not None and model_class != "HookedTransformer":
+        return False  # a Hugging Face model (AutoModelForCausalLM) or another class: no TransformerLens processing
+    version = _version(metadata.get("sae_lens_training_version", raw.get("sae_lens_training_version")))
+    return None if version is None else version < _NO_PROCESSING_SINCE
+
+
 def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d_model: int | None = None,
                  adapter: Any = None, config_overrides: dict[str, Any] | None = None) -> Parsed:
     """``cfg.json`` -> ``Parsed(directory, SAEConfig | TranscoderConfig, settings)`` (module docstring).
@@ -301,7 +377,7 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
         ConfigMismatchError: ``d_model`` given and different from ``d_in``.
     """
     cfg_path = directory / CFG_FILE
-    raw = {**read_json_object(cfg_path), **(config_overrides or {})}  # overrides: a SAELens release's
+    raw = _pre6_config({**read_json_object(cfg_path), **(config_overrides or {})})  # overrides: a release's
     arch = _architecture(raw, cfg_path)
     kind, activation = ARCHITECTURES[arch]
     fields = read_fields(raw, cfg_path, FIELDS)
@@ -330,12 +406,9 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
         "architecture": arch, "hook_name": hook_name, "normalize_activations": norm,
         "norm_folded": False, "apply_b_dec_to_input": apply_b_dec if apply_b_dec is not None else kind == "sae",
         "reshape_activations": reshape, "hook_head_index": head_index, "site": site,
-        # trained on a TransformerLens model loaded with centred writing weights (SAELens: load the model with
-        # from_pretrained_no_processing(**these kwargs)): on LayerNorm families its residual is mean-free
-        # (hook_sites.check_centred_residual)
-        "center_writing_weights": bool(((metadata or {}).get("model_from_pretrained_kwargs") or {})
-                                       .get("center_writing_weights", False))
-        if isinstance((metadata or {}).get("model_from_pretrained_kwargs"), dict) else False,
+        # trained on a TransformerLens model with centred writing weights (True / False / None: not recorded): on
+        # LayerNorm families its residual is mean-free (hook_sites.centre_residual_input_)
+        "center_writing_weights": _centred_training(raw, metadata or {}, cfg_path),
     }}
     if kind != "sae":  # SAELens TranscoderConfig.hook_name_out: where the transcoder writes (hook_sites.hook_record)
         extra["saelens"]["hook_name_out"] = (metadata or {}).get("hook_name_out") or raw.get("hook_name_out")
@@ -358,7 +431,8 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
 
 def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     """``sae_weights.safetensors`` in our names: gated -> JumpReLU, ``topk_threshold`` -> BatchTopK
-    threshold, ``log_threshold`` / ``threshold`` -> ``activation.threshold`` (clamped to ≥ 0).
+    threshold, ``log_threshold`` / ``threshold`` -> ``activation.threshold`` (clamped to ≥ 0); an all-ones
+    ``scaling_factor`` dropped (SAELens ``read_sae_components_from_disk``).
 
     Raises:
         CheckpointError: a missing/corrupt file, a tensor the architecture needs.
@@ -368,6 +442,12 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     read_safetensors_header(weights_path)
     state = load_safetensors(weights_path)
     check_file_tensors(weights_path, state)
+    scale = state.get("scaling_factor")
+    if scale is not None and scale.is_floating_point() and torch.allclose(scale.float(), torch.ones_like(scale,
+                                                                                               dtype=torch.float32)):
+        # SAELens's files of spring 2024 carried an all-ones scaling_factor, which its reader drops
+        # (read_sae_components_from_disk); any other value stays an unexpected tensor
+        del state["scaling_factor"]
     if arch == "gated":
         _gated_to_jumprelu(state, weights_path)
     if parsed.config.activation == "batchtopk":  # batchtopk, matryoshka_batchtopk
@@ -400,8 +480,13 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     module: SparseAutoencoder | Transcoder = parsed.build_module(
         cls, state, WEIGHTS_FILE, device=device, dtype=dtype)
     extra = cfg.extra["saelens"]
-    # SAELens's order: its trainer folds the data statistics first, its inference export the decoder norm
+    # SAELens's order: its trainer folds the data statistics first, its inference export the decoder norm — but a
+    # TopK-family SAE rescaled by its decoder norm folds that norm before the whitening (TopKSAE.
+    # fold_activation_whitening: unwhitening changes the rows' norms, which would change the top-k selection)
     if extra["normalize_activations"] == "covariance_whitening":
+        if settings["fold_decoder_norm"]:
+            module.fold_decoder_norm_()
+            extra["folded_decoder_norm"] = True
         _fold_whitening(module, parsed.directory / WHITENING_FILE)
         extra["norm_folded"] = True
     s = settings["norm_scaling_factor"]
@@ -420,7 +505,7 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
                     threshold.div_(s)  # in units of pre · ‖W_dec‖ (BatchTopKTrainingSAE.fold_…)
             extra["norm_folded"] = True
             extra["norm_scaling_factor"] = s
-    if settings["fold_decoder_norm"]:
+    if settings["fold_decoder_norm"] and not extra.get("folded_decoder_norm"):
         module.fold_decoder_norm_()
         extra["folded_decoder_norm"] = True
     return module
@@ -499,7 +584,10 @@ _ARCH_OF = {("sae", "relu"): "standard", ("sae", "topk"): "topk", ("sae", "jumpr
 
 def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.PathLike[str], *,
                  hook_name: str | None = None, model_name: str | None = None) -> Path:
-    """Write ``module`` in SAELens v6 layout (``cfg.json`` + ``sae_weights.safetensors``).
+    """Write ``module`` in SAELens v6 layout (``cfg.json`` + ``sae_weights.safetensors``). ``metadata`` records
+    ``model_from_pretrained_kwargs.center_writing_weights`` (:func:`~.hook_sites.trained_centred`): false for a
+    module of this package (trained on the Hugging Face model), the file's own for one loaded from SAELens or
+    Llamascopium (left out where that file did not say).
 
     Raises:
         UnsupportedArchitectureError: an activation SAELens has no inference architecture for here
@@ -527,7 +615,12 @@ def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.Pat
     # a hook_z SAE loaded from SAELens keeps its reshape (SAELens refuses it on another hook) and head index
     reshape = ("hook_z" if source.get("reshape_activations") == "hook_z"
                and (hook_name is None or hook_name.endswith("_z")) else "none")
-    metadata: dict[str, Any] = {"hook_name": hook_name, "model_name": model_name}
+    # the layout's version: SAELens reads a file without one as pre-6.0 and rebuilds metadata from top-level keys
+    # only, losing hook_name (handle_config_defaulting)
+    metadata: dict[str, Any] = {"hook_name": hook_name, "model_name": model_name, "sae_lens_version": "6.0.0"}
+    centred = trained_centred(module)
+    if centred is not None:  # which residual it reads (SAELens: load the model with these); unknown stays unsaid
+        metadata["model_from_pretrained_kwargs"] = {"center_writing_weights": centred}
     if source.get("hook_head_index") is not None:
         metadata["hook_head_index"] = source["hook_head_index"]
     cfg: dict[str, Any] = {

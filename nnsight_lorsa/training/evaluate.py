@@ -31,7 +31,7 @@ from ..envoy.nnsight_internals import hf_module
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.replacement_set import ReplacementSet
 from ..errors import ArgumentError, NonFiniteError, TooFewTokensError
-from ..formats.hook_sites import mlp_site_io
+from ..formats.hook_sites import mlp_site_io, writes_centred
 from .dataset import TokenDataset, _loss_mask, check_dataset_ids
 from .metrics import FVUAccumulator, ShrinkageAccumulator, next_token_ce
 
@@ -128,12 +128,14 @@ def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor, keep: torch.Tensor) -> f
 
 class _SiteProbe:
     """One replaced site (a Lorsa's attention, a transcoder's MLP, an SAE's module): FVU and L0 from
-    the spliced trace's features and output against the true value read in the original trace.
+    the spliced trace's features and output against the true value read in the original trace (``centre``: minus
+    its per-token mean, for a module trained on TransformerLens's centred residual: ``hook_sites.writes_centred``).
     (Values saved inside a trace are kept on the probe: nnsight hands back saved locals only.)"""
 
     def __init__(self, model: Any, path: str, value: Callable[[Any], Any], with_value: Callable[[Any, Any], Any],
-                 n_latents: int, splice: Callable[[], tuple[Any, Any]]) -> None:
+                 n_latents: int, splice: Callable[[], tuple[Any, Any]], centre: bool = False) -> None:
         self.model, self.path, self.value, self.with_value = model, path, value, with_value
+        self.centre = centre
         self.splice_fn = splice
         self.acc = FVUAccumulator()
         self.shrinkage = ShrinkageAccumulator(n_latents)
@@ -157,6 +159,8 @@ class _SiteProbe:
         # the true value on the model's device, the module's output and features on the module's:
         # compared on the model's device in fp32 (the accumulators' own precision is fp64)
         target = self.target[keep.to(self.target.device)]
+        if self.centre:
+            target = target - target.float().mean(-1, keepdim=True).to(target.dtype)
         out = self.out[keep.to(self.out.device)].to(target.device)
         z = self.z[keep.to(self.z.device)]
         self.acc.update(target.float(), out.float())
@@ -182,6 +186,7 @@ class _CLTProbe:
         n = self.clt.n_layers
         # where each layer reads and writes: the MLP's call, or the tensors its circuit-tracer hooks name
         self.ios = [mlp_site_io(self.clt, self.adapter, hf_module(self.model), layer) for layer in range(n)]
+        self.centre = writes_centred(self.clt, self.adapter, hf_module(self.model))
         self.paths = [io.output_path for io in self.ios]
         self.accs = [FVUAccumulator() for _ in range(n)]
         self.l0_sum = torch.zeros(n, dtype=torch.float64, device="cpu")  # host-side
@@ -214,7 +219,8 @@ class _CLTProbe:
         acts = clt.encode(x)
         recon = clt.decode(acts, x)
         for layer, acc in enumerate(self.accs):
-            acc.update(y[layer].float(), recon[layer].float())
+            target = y[layer].float()
+            acc.update(target - target.mean(-1, keepdim=True) if self.centre else target, recon[layer].float())
         active = acts != 0  # fired: non-zero (an AbsTopK feature fires negative too)
         self.l0_sum += active.sum((1, 2)).double().cpu()
         self.n_kept += x.shape[1]
@@ -254,9 +260,10 @@ def _probe(replacements: ReplacementSet, at: Any) -> _SiteProbe | _CLTProbe:
             raise ArgumentError(f"evaluate: the set holds {len(keys)} modules ({keys}): pass at=")
         at = keys[0]
     chain = replacements.site(at)  # where the module's output goes, for every kind (the set contract)
+    centre = writes_centred(replacements[at], replacements.adapter, hf_module(replacements.model))
     return _SiteProbe(replacements.model, chain.site_paths[0], chain.get_output, chain.set_output,
                       replacements.n_latents(at),
-                      lambda: replacements.latents_and_output(replacements.replace(at)))
+                      lambda: replacements.latents_and_output(replacements.replace(at)), centre)
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
@@ -155,6 +156,39 @@ def trainer_run(out: Path, name: str, arch: str, normalize: str, seed: int, **cf
         save_reference(ckpt, **_inference_outputs(tsae))
 
 
+def legacy(out: Path, seed: int) -> None:
+    """Pre-6.0 ``cfg.json`` layouts (flat keys, ``hook_point``, ``activation_fn_str``, no version: what SAELens ≤ 5
+    and the 2024 ``GPT2-Small-SAEs-Reformatted`` folders hold), made by rewriting the config of a folder SAELens
+    saved; the reference is what SAELens's own reader (``handle_pre_6_0_config``) makes of each."""
+    cls, cfg_cls = get_sae_class("topk")
+    sae = cls(cfg_cls(d_in=D_IN, d_sae=D_SAE, k=K))
+    _randomize(sae, seed)
+    flat = {"d_in": D_IN, "d_sae": D_SAE, "dtype": "torch.float32", "device": "cpu", "hook_point": HOOK,
+            "hook_point_layer": 1, "hook_point_head_index": None, "model_name": "tiny-random", "context_size": 16}
+    cases = {
+        # SAELens <= 5 wrote TopK SAEs as architecture "standard" with activation_fn_kwargs.k
+        "legacy_standard_named_topk": {**flat, "architecture": "standard", "activation_fn_str": "topk",
+                                       "activation_fn_kwargs": {"k": K}},
+        # a top-level k that activation_fn_kwargs.k overrides on this path
+        "legacy_topk_kwargs_k": {**flat, "architecture": "topk", "k": K + 3, "activation_fn": "topk",
+                                 "activation_fn_kwargs": {"k": K}},
+        "legacy_relu_scaling_factor_ones": {**flat, "activation_fn_str": "relu", "finetuning_scaling_factor": False},
+        # the control: a 6.x file says what it is (SAELens reads this one as a plain ReLU SAE)
+        "v6_standard_with_topk_kwargs": {"architecture": "standard", "d_in": D_IN, "d_sae": D_SAE, "dtype": "float32",
+                                         "apply_b_dec_to_input": True, "normalize_activations": "none",
+                                         "activation_fn": "topk", "activation_fn_kwargs": {"k": K},
+                                         "metadata": {"sae_lens_version": "6.54.12", "hook_name": HOOK}},
+    }
+    for name, cfg in cases.items():
+        case = out / name
+        sae.save_model(case)
+        (case / "cfg.json").write_text(json.dumps(cfg))
+        if name.endswith("scaling_factor_ones"):  # spring-2024 files carried it; SAELens drops an all-ones one
+            weights = load_file(str(case / "sae_weights.safetensors"))
+            save_file({**weights, "scaling_factor": torch.ones(D_SAE)}, str(case / "sae_weights.safetensors"))
+        save_reference(case, **_outputs(SAE.load_from_disk(case), fixed_inputs(D_IN)))
+
+
 def registry(out: Path) -> None:
     """``registry/pretrained_saes.yaml``: entries copied from the installed SAELens's release registry
     (the first SAE or two of a few releases: one with ``norm_scaling_factor`` s, one with
@@ -223,7 +257,12 @@ def main(out: Path) -> None:
              matryoshka_widths=[16, 32, D_SAE])
     trainer_run(out, "trainer_topk_expected_average", "topk", "expected_average_only_in", next(seed), k=K)
     trainer_run(out, "trainer_standard_whitening", "standard", "covariance_whitening", next(seed))
+    # TopK rescaled by the decoder norm: SAELens folds that norm before the whitening (TopKSAE.fold_activation_
+    # whitening); added 2026-11-29 with the seed after the others, so the cases above keep theirs
     registry(out)
+    trainer_run(out, "trainer_topk_rescale_whitening", "topk", "covariance_whitening", next(seed), k=K,
+                rescale_acts_by_decoder_norm=True)
+    legacy(out, next(seed))
     (out / "peer.json").write_text(json.dumps({"peer": "sae-lens", "version": version("sae-lens"),
                                                "torch": torch.__version__}, indent=1) + "\n")
     reverse(out)

@@ -126,3 +126,16 @@ def test_whitening_statistics_are_checked(tmp_path: Path) -> None:
     (d / "activation_whitening.safetensors").unlink()
     with pytest.raises(UnsupportedArchitectureError, match="covariance_whitening"):
         load(d)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if _name(c).startswith(("legacy_", "v6_"))], ids=_name)
+def test_a_pre6_config_is_read_as_saelens_reads_it(case: Path) -> None:
+    """Pre-6.0 layouts (``handle_pre_6_0_config``): ``hook_point`` is the hook name, ``activation_fn: topk`` with
+    ``activation_fn_kwargs.k`` a TopK SAE of that k (``architecture: standard`` notwithstanding), an all-ones
+    ``scaling_factor`` dropped; a 6.x file is read as it says (the numbers: ``test_peer_file``)."""
+    module = load(case)
+    assert module.cfg.extra["saelens"]["hook_name"] == "blocks.1.hook_resid_post"
+    want = {"legacy_standard_named_topk": ("topk", 4), "legacy_topk_kwargs_k": ("topk", 4),
+            "legacy_relu_scaling_factor_ones": ("relu", None), "v6_standard_with_topk_kwargs": ("relu", None)}
+    activation, k = want[_name(case)]
+    assert (module.cfg.activation, module.cfg.activation_params.get("k")) == (activation, k)
