@@ -370,3 +370,26 @@ def test_evaluate_measures_a_centred_saes_fvu_against_the_centred_residual():
         recon = original(x.float()).double()
     fvu = float((x - recon).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
     assert ev.fvu == pytest.approx(fvu, rel=1e-4)
+
+
+def test_a_release_like_gpt2_small_res_jb_is_read_as_centred(tmp_path):
+    """``gpt2-small-res-jb``'s registry entry (SAELens ``pretrained_saes.yaml``) gives its pre-6.0 folders
+    ``config_overrides: {model_from_pretrained_kwargs: {center_writing_weights: true}}``; loaded by release, the
+    record says so (it was silently false: the flat override was not read) and the legacy ``hook_point`` is the
+    hook."""
+    import shutil
+    from pathlib import Path
+
+    peers = Path(__file__).resolve().parent.parent / "fixtures" / "peers" / "saelens"
+    repo = tmp_path / "GPT2-Small-SAEs-Reformatted"
+    shutil.copytree(peers / "legacy_relu_scaling_factor_ones", repo / "blocks.1.hook_resid_post")
+    registry = tmp_path / "pretrained_saes.yaml"
+    registry.write_text(
+        "gpt2-small-res-jb:\n  conversion_func: null\n  model: gpt2-small\n"
+        f"  repo_id: {repo}\n"
+        "  config_overrides:\n    model_from_pretrained_kwargs:\n      center_writing_weights: true\n"
+        "  saes:\n  - id: blocks.1.hook_resid_post\n    path: blocks.1.hook_resid_post\n")
+    sae = load("gpt2-small-res-jb", "blocks.1.hook_resid_post", release_registry=registry)
+    assert hook_sites.trained_centred(sae) is True
+    assert sae.cfg.extra["saelens"]["hook_name"] == "blocks.1.hook_resid_post"
+    assert hook_sites.trained_centred(load(repo / "blocks.1.hook_resid_post")) is None  # by path: unsaid
