@@ -393,3 +393,37 @@ def test_a_release_like_gpt2_small_res_jb_is_read_as_centred(tmp_path):
     assert hook_sites.trained_centred(sae) is True
     assert sae.cfg.extra["saelens"]["hook_name"] == "blocks.1.hook_resid_post"
     assert hook_sites.trained_centred(load(repo / "blocks.1.hook_resid_post")) is None  # by path: unsaid
+
+
+@pytest.mark.parametrize("family", LN_FAMILIES)
+def test_stacked_centred_saes_each_read_the_centred_residual_at_their_site(family):
+    """Several such SAEs at once (``error=False``): each reads the residual at its site minus its mean — what it was
+    trained on — whatever the reconstructions spliced before it added. (TransformerLens's own stacked splice feeds a
+    later module its residual with the earlier reconstructions' means in it, which its training data never held;
+    the two agree where those reconstructions are mean-free, and with ``error=True``, where every site's tensor is
+    the model's own: docs/formats.md.)"""
+    model, hf, adapter = world(family)
+    saes, originals, handles = {}, [], []
+    for layer in range(2):
+        name = f"blocks.{layer}.hook_resid_post"
+        sae = make_sae(seed=layer, hook=name, activation="relu", extra=record("llamascopium", name))
+        with torch.no_grad():
+            sae.b_dec.add_(0.5)  # reconstructions with a mean: the case where the two readings differ
+        originals.append(copy.deepcopy(sae))
+        saes[sae_site_path(sae, adapter)] = sae
+        handles.append(blocks(hf)[layer].register_forward_hook(
+            lambda m, a, out, s=originals[-1]: (s(centred(out[0])), *out[1:]) if isinstance(out, tuple)
+            else s(centred(out))))
+    ids = random_ids(batch=2, seq=6, seed=7)
+    try:
+        with torch.no_grad():
+            want = hf(ids).logits
+    finally:
+        for h in handles:
+            h.remove()
+    sae_set = SAESet(model, saes, adapter)
+    with torch.no_grad(), model.trace(ids):
+        for path in saes:
+            sae_set.replace(path)
+        logits = unembed(model).output.save()
+    assert relative(logits, want) < BOUND["fp32"], relative(logits, want)
