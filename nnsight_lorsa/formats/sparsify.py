@@ -22,7 +22,11 @@ Ours: ``W_enc = encoder.weightᵀ``, the rest as stored; an SAE is a :class:`Spa
 (:class:`~nnsight_lorsa.modules.activations.GroupMax`). An SAE with a skip connection (centred
 encoder input, skip path on the raw input) is the exact :class:`SkipTranscoder` with
 ``b_enc ← encoder.bias − b_dec · encoder.weightᵀ`` (``cfg.extra["sparsify"]["transcode"]`` stays
-False).
+False), folded once in the dtype the module is loaded in.
+
+The hookpoint is the folder's name; a folder ``seed<N>`` inside one (sparsify's ``Trainer`` with several
+``init_seeds`` saves ``<hookpoint>/seed<N>/``) is that hookpoint's coder of seed N
+(``cfg.extra["sparsify"]["seed"]``).
 
 ``multi_topk``: a training option (an extra loss on the top-4k reconstruction). sparsify's
 ``forward()`` of such a coder returns that top-4k reconstruction (and top-4k latents) as
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -104,9 +109,14 @@ def parse_config(directory: Path, *, d_model: int | None = None, adapter: Any = 
     require(activation != "groupmax" or not num_latents % k, cfg_path,
             f"'groupmax' needs num_latents={num_latents} to be a multiple of k={k}")
     name = checkpoint_name(directory)  # None at the top of a hub snapshot (its name is a commit hash)
+    seed = None
+    if name is not None and re.fullmatch(r"seed[0-9]+", name) and checkpoint_name(directory.parent):
+        # sparsify's Trainer with several init_seeds saves <hookpoint>/seed<N>/ (trainer.py: "{hook}/seed{seed}";
+        # its hooks take the part before the slash)
+        seed, name = int(name[len("seed"):]), checkpoint_name(directory.parent)
     site = site_record(name, adapter, sparsify_transcode=transcode)
     extra = {"sparsify": {
-        "hookpoint": name, "transcode": transcode, "skip_connection": skip,
+        "hookpoint": name, "seed": seed, "transcode": transcode, "skip_connection": skip,
         "multi_topk": fields["multi_topk"],
         "config": {key: v for key, v in raw.items() if isinstance(v, (int, float, str, bool)) or v is None},
         "site": site,
@@ -141,21 +151,26 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
             "W_dec": state["W_dec"], "b_dec": state["b_dec"]}
     if skip:
         ours["W_skip"] = state["W_skip"]
-    if parsed.settings["fold_b_dec"]:  # x̃ = x − b_dec: (x − b_dec) Wᵀ + b = x Wᵀ + (b − b_dec Wᵀ)
-        ours["b_enc"] = (state["encoder.bias"].double()
-                         - state["b_dec"].double() @ state["encoder.weight"].double().T).to(state["encoder.bias"].dtype)
     return ours
 
 
 def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
           dtype: torch.dtype | None = None) -> SparseAutoencoder | Transcoder:
-    """Our :class:`SparseAutoencoder` / :class:`Transcoder` / :class:`SkipTranscoder` with ``state``.
+    """Our :class:`SparseAutoencoder` / :class:`Transcoder` / :class:`SkipTranscoder` with ``state``; an SAE with a
+    skip connection gets ``b_dec`` folded into ``b_enc`` once in the module's dtype (``b_enc − b_dec W_enc``).
 
     Raises:
         CheckpointError: non-floating or non-finite tensor.
     """
-    return parsed.build_module(parsed.settings["cls"], state, WEIGHTS_FILE, device=device,  # type: ignore[no-any-return]
-                               dtype=dtype)
+    module = parsed.build_module(parsed.settings["cls"], state, WEIGHTS_FILE, device=device, dtype=dtype)
+    if parsed.settings["fold_b_dec"]:  # x̃ = x − b_dec: (x − b_dec) Wᵀ + b = x Wᵀ + (b − b_dec Wᵀ)
+        # folded after the cast, from the stored values (exact in the module's dtype when it is at least theirs):
+        # rounded once, in the dtype the module runs in (folded in the stored dtype, a bf16 file loaded in fp32
+        # kept a bf16 rounding of the fold: features 0.23 off, other top-k picks)
+        with torch.no_grad():
+            b_enc = module.b_enc
+            b_enc.copy_((b_enc.double() - module.b_dec.double() @ module.W_enc.double()).to(b_enc.dtype))
+    return module  # type: ignore[no-any-return]
 
 
 READER = Reader("sparsify", (CFG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)

@@ -56,12 +56,18 @@ def outputs(sae: SparseCoder, x: torch.Tensor) -> dict[str, torch.Tensor]:
             "l0": (dense != 0).sum(-1)}
 
 
-def case(out: Path, name: str, seed: int, dtype: torch.dtype = torch.float32, **cfg: Any) -> None:
+def case(out: Path, name: str, seed: int, dtype: torch.dtype = torch.float32, upcast: bool = False,
+         **cfg: Any) -> None:
+    """One coder saved by ``save_to_disk``; the reference from ``load_from_disk`` (``upcast``: also the loaded
+    coder cast to fp32, ``fp32_*``: what a low-precision file loaded in fp32 computes)."""
     coder = SparseCoder(D_IN, SparseCoderConfig(num_latents=N_LATENTS, k=K, **cfg), dtype=dtype)
     randomize_(coder, seed=seed)
     coder.save_to_disk(out / name)
     again = SparseCoder.load_from_disk(out / name)
-    save_reference(out / name, **outputs(again, fixed_inputs(D_IN)))
+    ref = outputs(again, fixed_inputs(D_IN))
+    if upcast:
+        ref.update({f"fp32_{k}": v for k, v in outputs(again.float(), fixed_inputs(D_IN)).items()})
+    save_reference(out / name, **ref)
 
 
 def trainer_run(out: Path) -> None:
@@ -105,6 +111,7 @@ def main(out: Path) -> None:
     case(out, "groupmax_transcoder", 7, activation="groupmax", transcode=True)
     case(out, "multi_topk", 8, multi_topk=True)
     case(out, "sae_bf16", 9, dtype=torch.bfloat16)
+    case(out, "sae_skip_bf16", 13, dtype=torch.bfloat16, upcast=True, skip_connection=True)  # added 2026-11-29
     mixed = out / "run_mixed"
     case(mixed, "layers.0", 10)
     case(mixed, "layers.1.mlp", 11, transcode=True, skip_connection=True)

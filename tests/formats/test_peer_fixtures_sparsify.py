@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from peer_reference import PEER_FIXTURES, case_name, cases, check_case, check_coder, rel_error
 from safetensors.torch import load_file
 
@@ -90,3 +91,29 @@ def test_reverse_direction_passed_in_sparsify() -> None:
     for case in cases:
         ours = load_file(str(FIXTURES / "reverse" / case / "ours_outputs.safetensors"))
         check_coder(load(FIXTURES / "reverse" / case), ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_low_precision_skip_sae_loaded_wider_computes_what_sparsify_computes_upcast(dtype: torch.dtype) -> None:
+    """A bf16 SAE with ``skip_connection`` loaded with ``dtype=float32`` (or fp64): ``b_dec`` is folded into ``b_enc``
+    once, in that dtype — as sparsify's own coder cast to fp32 computes (``x − b_dec`` in fp32). Folded in the
+    stored bf16 before the cast, the features were 0.23 – 0.32 off and rows picked other features."""
+    ref = load_file(str(FIXTURES / "sae_skip_bf16" / "reference.safetensors"))
+    module = load(FIXTURES / "sae_skip_bf16", dtype=dtype)
+    assert module.W_enc.dtype == dtype
+    check_coder(module, {"x": ref["fp32_x"].to(dtype), "feature_acts": ref["fp32_feature_acts"],
+                         "sae_out": ref["fp32_sae_out"], "l0": ref["fp32_l0"]})
+
+
+def test_a_hookpoint_of_several_seeds_is_named_by_its_hookpoint(tmp_path: Path) -> None:
+    """sparsify's ``Trainer`` with several ``init_seeds`` saves ``<hookpoint>/seed<N>/`` (``trainer.py``:
+    ``f"{hook}/seed{seed}"``); the hookpoint is the folder above (it was ``'seed0'``, which no site matches)."""
+    import shutil
+
+    for seed in (0, 1):
+        shutil.copytree(FIXTURES / "sae", tmp_path / "layers.0" / f"seed{seed}")
+    for seed in (0, 1):
+        module = load(tmp_path / "layers.0" / f"seed{seed}")
+        record = module.cfg.extra["sparsify"]
+        assert (record["hookpoint"], record["seed"], module.cfg.hook) == ("layers.0", seed, "layers.0")
+    assert load(FIXTURES / "sae").cfg.extra["sparsify"]["seed"] is None
