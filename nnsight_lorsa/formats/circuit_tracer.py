@@ -142,10 +142,10 @@ def choose_reader(directory: Path) -> Reader:
 
 def hub_weight_files(directory: Path) -> list[str]:
     """What a hub load fetches once ``config.yaml`` (if any) is in ``directory``: the files its ``transcoders`` list
-    names, and every ``layer_<i>`` / ``W_enc_<i>`` / ``W_dec_<i>`` ``.safetensors`` with 1 to 6 ASCII digits, spelled
-    digit by digit (``fnmatch``'s ``*`` spans ``/``: ``layer_*.safetensors`` would also fetch a set's
-    ``layer_1/model.safetensors`` and any deeper file so named). A YAML that does not parse names nothing: the
-    reader then refuses it by name."""
+    names (where the reader looks for them, inside ``directory``), and every ``layer_<i>`` / ``W_enc_<i>`` /
+    ``W_dec_<i>`` ``.safetensors`` with 1 to 6 ASCII digits, spelled digit by digit (``fnmatch``'s ``*`` spans
+    ``/``: ``layer_*.safetensors`` would also fetch a set's ``layer_1/model.safetensors`` and any deeper file so
+    named). A YAML that does not parse names nothing: the reader then refuses it by name."""
     import glob
 
     names = [f"{stem}_{'[0-9]' * n}.safetensors" for stem in ("layer", "W_enc", "W_dec") for n in range(1, 7)]
@@ -153,14 +153,57 @@ def hub_weight_files(directory: Path) -> list[str]:
         listed = read_yaml_object(directory / CONFIG_FILE).get("transcoders")
     except LorsaError:
         listed = None
-    for entry in listed if isinstance(listed, list) else []:
+    for i, entry in enumerate(listed if isinstance(listed, list) else []):
         ref = entry.get("filepath") if isinstance(entry, dict) else entry
-        if isinstance(ref, str) and ref.split("?")[0].rsplit("/", 1)[-1]:
-            names.append(glob.escape(ref.split("?")[0].rsplit("/", 1)[-1]))
+        if not isinstance(ref, str):
+            continue
+        try:  # where the reader will look (_listed_path); a file outside this folder is not fetched (then refused)
+            where = _listed_path(directory, ref, directory / CONFIG_FILE, i)
+            names.append(glob.escape(where.relative_to(directory).as_posix()))
+        except (LorsaError, ValueError):
+            continue
     return names
 
 
 # --------------------------------------------------------------------------- per-layer transcoders
+def _snapshot_of(directory: Path) -> tuple[Path, str] | None:
+    """``(root, "owner/name")`` of the ``huggingface_hub`` cache snapshot ``directory`` is in
+    (``models--owner--name/snapshots/<commit>[/…]``), or None."""
+    for root in (directory, *directory.parents):
+        parent = root.parent
+        if parent.name == "snapshots" and parent.parent.name.startswith("models--"):
+            return root, parent.parent.name[len("models--"):].replace("--", "/", 1)
+    return None
+
+
+def _listed_path(directory: Path, ref: str, config_path: Path, i: int) -> Path:
+    """Where entry ``i`` of ``config.yaml``'s ``transcoders`` list is: an ``hf://owner/name/<path>`` URI at
+    ``<path>`` in that repo — the snapshot's root when ``directory`` is in one of that repo (another repo's is
+    refused: circuit-tracer downloads it from there), else ``directory`` (a local copy keeps the repo's layout); a
+    relative path under ``directory``; an absolute one as it is (circuit-tracer ``resolve_transcoder_paths`` opens
+    local paths as given). (Only the file's name was kept until 2026-11-29: a ``sub/layer_0.safetensors`` entry
+    read ``layer_0.safetensors`` beside the config.)
+
+    Raises:
+        CheckpointError: an ``hf://`` URI without a path in the repo, or of another repo than the snapshot's.
+    """
+    target = ref.split("?")[0]
+    if target.startswith("hf://"):
+        parts = target[len("hf://"):].split("/", 2)
+        require(len(parts) == 3 and all(parts), config_path,
+                f"key 'transcoders'[{i}] is {ref!r}; an hf:// entry is hf://<owner>/<name>/<path in the repo>")
+        repo, inner = f"{parts[0]}/{parts[1]}", parts[2]
+        snapshot = _snapshot_of(directory)
+        if snapshot is None:
+            return directory / inner
+        root, here = snapshot
+        require(here.lower() == repo.lower(), config_path,
+                f"key 'transcoders'[{i}] is {ref!r}, a file of the repo {repo!r}, not of {here!r} being loaded "
+                "(circuit-tracer downloads it from there): load that repo")
+        return root / inner
+    return Path(target) if Path(target).is_absolute() else directory / target
+
+
 def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int, Path]:
     listed = cfg.get("transcoders")
     require(listed is None or isinstance(listed, list), config_path,
@@ -174,6 +217,7 @@ def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int
                 layer, ref = None, entry
             require(isinstance(ref, str), config_path, f"key 'transcoders'[{i}] has no file path")
             name = str(ref).split("?")[0].rsplit("/", 1)[-1]
+            listed_path = _listed_path(path, str(ref), config_path, i)
             if layer is None:
                 require(not looks_like_layer_name(name, ".safetensors") or layer_of_name(name, ".safetensors")
                         is not None, config_path, f"key 'transcoders'[{i}] is {ref!r}; a layer file is named "
@@ -190,7 +234,7 @@ def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int
             require(isinstance(layer, int) and not isinstance(layer, bool) and layer >= 0, config_path,
                     f"key 'transcoders'[{i}] has layer {layer!r}; expected an int >= 0")
             require(layer not in files, config_path, f"key 'transcoders' lists layer {layer} twice")
-            files[layer] = path / name
+            files[layer] = listed_path
         return files
     files = _numbered(path, r"layer_([0-9]+)\.safetensors")
     require(files, path, f"no layer_<i>.safetensors files (and no 'transcoders' in {CONFIG_FILE})")

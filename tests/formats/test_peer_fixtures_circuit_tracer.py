@@ -89,3 +89,54 @@ def test_our_files_load_in_circuit_tracer() -> None:
     ours = load_file(str(FIX / "reverse" / "transcoders_jumprelu" / "ours_outputs.safetensors"))
     with torch.no_grad():
         assert rel_error(load(FIX / "reverse" / "transcoders_jumprelu")[0](ours["x"]), ours["forward_0"]) <= REL
+
+
+def _listed_set(folder: Path, entries: list[str], decoy: bool = True) -> None:
+    """``folder`` with the relu set's files where ``entries`` say (``config.yaml`` listing them), and the jumprelu
+    set's files of the same names beside the config as a decoy."""
+    import shutil
+
+    import yaml
+
+    src, other = FIX / "transcoders_relu", FIX / "transcoders_jumprelu"
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = yaml.safe_load((src / "config.yaml").read_text())
+    for i, entry in enumerate(entries):
+        inner = entry.split("?")[0].removeprefix("hf://").split("/", 2)[-1] if entry.startswith("hf://") else entry
+        (folder / inner).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / f"layer_{i}.safetensors", folder / inner)
+        if decoy and (folder / f"layer_{i}.safetensors") != folder / inner:
+            shutil.copy(other / f"layer_{i}.safetensors", folder / f"layer_{i}.safetensors")
+    cfg["transcoders"] = entries
+    (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+@pytest.mark.parametrize("entries", [
+    ["sub/layer_0.safetensors", "sub/layer_1.safetensors"],
+    ["hf://org/repo/width_65k/layer_0.safetensors", "hf://org/repo/width_65k/layer_1.safetensors?revision=main"],
+])
+def test_listed_files_are_read_where_the_list_says(tmp_path: Path, entries: list[str]) -> None:
+    """circuit-tracer (``resolve_transcoder_paths``) opens each listed path, an ``hf://`` URI at its path in the
+    repo; only the file's name was kept here, and a ``layer_<i>.safetensors`` beside the config (another set's) was
+    read instead without a word (encode up to 3.2 off)."""
+    _listed_set(tmp_path / "set", entries)
+    ref = load_file(str(FIX / "transcoders_relu" / "reference.safetensors"))
+    loaded = load(tmp_path / "set")
+    for layer in range(2):
+        want = load_file(str(FIX / "transcoders_relu" / f"layer_{layer}.safetensors"))
+        assert torch.equal(loaded[layer].W_enc.T, want["W_enc"])
+        with torch.no_grad():
+            assert rel_error(loaded[layer].encode(ref["x"]), ref[f"encode_{layer}"]) <= REL
+
+
+def test_an_hf_uri_of_another_repo_is_refused_in_a_snapshot(tmp_path: Path) -> None:
+    """In a hub snapshot of ``org/repo`` an entry ``hf://other/repo/...`` is another repo's file (circuit-tracer
+    downloads it from there): refused by name; the snapshot's own repo resolves from the snapshot's root."""
+    from nnsight_lorsa.errors import CheckpointError
+
+    snapshot = tmp_path / "models--org--repo" / "snapshots" / "abc123"
+    _listed_set(snapshot, ["hf://org/repo/w/layer_0.safetensors", "hf://org/repo/w/layer_1.safetensors"])
+    assert isinstance(load(snapshot), CircuitTracerTranscoders)
+    _listed_set(snapshot, ["hf://other/repo/w/layer_0.safetensors", "hf://other/repo/w/layer_1.safetensors"])
+    with pytest.raises(CheckpointError, match=r"'other/repo'.*not of 'org/repo'"):
+        load(snapshot)
