@@ -402,6 +402,11 @@ def parse_config(directory: Path, *, layer: int | None = None, weights_folded: b
     n_qk = config_size(raw, "n_qk_heads", path)
     d_qk_stored = config_size(raw, "d_qk_head", path)
     rotary_scale = config_size(raw, "rotary_scale", path, 1)
+    if config_value(raw, "positional_embedding_type", path, str, "rotary") == "none":
+        # their _apply_rotary, the only place that repeat_interleaves q and k by rotary_scale, runs for rotary
+        # attention only (models/lorsa.py): without RoPE the scale does nothing (it doubled every score here
+        # until 2026-11-29)
+        rotary_scale = 1
     d_qk = d_qk_stored * rotary_scale  # their _apply_rotary repeat_interleaves q and k by rotary_scale
     n_ov = _n_ov_heads(raw, path, d_model)
     settings = _settings(raw, path)

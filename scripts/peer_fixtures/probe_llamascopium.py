@@ -192,6 +192,18 @@ def main(out: Path) -> None:
     s += 1
     write(out, "lorsa_train_dataset_wise", lorsa(s, norm_activation="dataset-wise"), "norm_activation",
           "dataset-wise, train_lorsa sequence", writer="train")
+    extra_cases(out, s)
+
+
+def extra_cases(out: Path, s: int) -> None:
+    """Cases added 2026-11-29 (after the others, so that their seeds stay): RoPE off with a ``rotary_scale``
+    (their repeat runs inside the rotary step only), a bf16 JumpReLU SAE (its decoder-norm fold, read wider)."""
+    s += 1
+    write(out, "lorsa_pos_none_rotary_scale_2", lorsa(s, positional_embedding_type="none", rotary_scale=2),
+          "positional_embedding_type+rotary_scale", "none/2")
+    s += 1
+    write(out, "sae_bf16_jumprelu", sae(s, dtype=torch.bfloat16, norm_activation="inference", act_fn="jumprelu"),
+          "dtype", "bfloat16 (jumprelu)")
     (out / "cases.json").write_text(json.dumps(CASES, indent=1, sort_keys=True, default=str) + "\n")
     print(json.dumps({k: v.get("peer_error", "ok") for k, v in CASES.items()}, indent=1))
 
