@@ -1084,3 +1084,73 @@ def test_every_activation_kind_ships_to_ndif(name) -> None:
     run = subprocess.run([sys.executable, "-c", SHIP_ACTIVATION, name], capture_output=True, text=True, env=env,
                          timeout=120, cwd=ROOT)
     assert run.returncode == 0 and "shipped" in run.stdout, run.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- (e) attribute(rm, prompt, remote=True): where it runs
+PROMPT_REMOTE_CLIENT = r'''
+import json, torch
+from loopback import LoopbackServer, build_model, loopback
+from helpers import make_lorsa, random_ids
+from nnsight_lorsa import LorsaSet, ReplacementModel, attribute, get_adapter
+from nnsight_lorsa.attribution import cache_for_attribution
+from nnsight_lorsa.remote import register
+
+server = LoopbackServer(seed=0)                  # holds build_model(seed=0): the true weights
+loopback(server)
+register()
+ids = random_ids(1, 8, seed=3)[0]
+
+def bundle(model, hf):
+    return ReplacementModel(model, lorsas=LorsaSet(model, {1: make_lorsa(hf, get_adapter(model), layer=1)}))
+
+true_model, true_hf = build_model(seed=0)
+client_model, client_hf = build_model(seed=0)    # the client's copy, its layer-0 MLP perturbed: what runs HERE
+with torch.no_grad():
+    client_hf.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+sent = []
+_run = server.run
+server.run = lambda blob, envelope: (envelope.get("__env__") or sent.append(1), _run(blob, envelope))[1]
+client = bundle(client_model, client_hf)         # one bundle: the same Lorsa in every call below
+remote = attribute(client, ids, batch_size=16, remote=True)
+# the clean pass on the server's weights, the graph built here with the client's bundle
+true_lorsas = LorsaSet(true_model, {1: client.lorsas[1]})
+expected = attribute(client, cache_for_attribution(ReplacementModel(true_model, lorsas=true_lorsas), ids),
+                     batch_size=16)
+everything_here = attribute(client, ids, batch_size=16)
+d = lambda a, b: float((a.densify() - b.densify()).abs().max())
+print(json.dumps({"requests": len(sent), "vs_expected": d(remote, expected),
+                  "vs_everything_here": d(remote, everything_here), "engine": remote.meta["engine"],
+                  "scale": float(expected.densify().abs().max())}))
+server.close()
+'''
+
+
+def test_attribute_remote_runs_the_clean_pass_on_the_server_and_builds_the_graph_here() -> None:
+    """``attribute(rm, prompt, remote=True)``: one request, the clean pass on the server's weights (a client copy with
+    its layer-0 MLP scaled gives another graph run all here), the graph built here from that pass's cache — equal,
+    bit for bit, to ``attribute(rm, cache_for_attribution(<the server's model>, prompt))``. (Until 2026-11-29 the
+    frozen pass ran as a second, local trace of the client's model: the docs said both ran on the server.)"""
+    out = run_client(PROMPT_REMOTE_CLIENT, timeout=300)
+    assert out["requests"] == 1 and out["engine"] == "cache", out
+    assert out["vs_expected"] == 0.0, out
+    assert out["vs_everything_here"] > 1e-3 * out["scale"], out
+
+
+def test_attribute_remote_on_a_meta_model_is_refused_before_sending(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph of a remote prompt is built here: a meta-device client model (the docs' set-up block) is refused by
+    name (``PlacementError`` naming a weight), and no request is sent."""
+    from helpers import make_lorsa
+    from loopback import build_model
+
+    from nnsight_lorsa import LorsaSet, ReplacementModel, attribute, get_adapter
+    from nnsight_lorsa.envoy.nnsight_internals import RemoteBackend
+    from nnsight_lorsa.errors import PlacementError
+
+    model, hf = build_model(seed=0)
+    lorsa = make_lorsa(hf, get_adapter(model), layer=1)
+    hf.to("meta")
+    sent: list = []
+    monkeypatch.setattr(RemoteBackend, "request", lambda self, *a, **k: sent.append(1))
+    with pytest.raises(PlacementError, match="meta"):
+        attribute(ReplacementModel(model, lorsas=LorsaSet(model, {1: lorsa})), random_ids(1, 6)[0], remote=True)
+    assert sent == []

@@ -106,8 +106,10 @@ def attribute(
             the Lorsas, transcoders and MHSA weights, whatever their dtype; the model's modules still run in
             their dtype on one prompt copy for the frozen constants); ``torch.float64`` stores fp64 edges.
         progress: show a tqdm bar over target rows; None (default): when stderr is a terminal.
-        remote: for a prompt, passed to both ``model.trace`` calls (``True``: run on NDIF after
-            :func:`nnsight_lorsa.remote.register`; ``"local"``: nnsight's serializing simulation).
+        remote: for a prompt, where its clean pass runs (``True``: on NDIF after
+            :func:`nnsight_lorsa.remote.register`; ``"local"``: nnsight's serializing simulation); the graph is then
+            built here from that pass's cache (:func:`~.engine.cache_for_attribution`), with the model's weights
+            here (docs/remote.md, "Patching and attribution remotely").
             The replacement modules travel by value; the edge rows come back as saved values.
         max_memory: a budget in bytes (host memory for a CPU model, device memory otherwise): the batch
             is the largest ``≤ batch_size`` that :func:`.budget.estimate_memory`'s model fits in it

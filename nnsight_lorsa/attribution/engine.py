@@ -34,7 +34,7 @@ from .layout import Layout, LiveNodes
 from .offload import rows_label
 from .options import AttributionOptions, check_remote
 from .qk import qk_for_graph
-from .replacement import FrozenReplacement, layer_modules, transcoder_sites
+from .replacement import FrozenReplacement, check_placement, layer_modules, transcoder_sites
 from .rows import RowScheduler, SparseRows, assemble, assemble_pruned
 from .scores import PruneConfig
 from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, refuse_inside_trace, tokenize
@@ -122,9 +122,18 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
     batch_size, dtype, remote, config = o.batch_size, o.dtype, o.remote, o.prune
     cached = isinstance(prompt, AttributionCache)
     if cached and remote:
-        raise ConfigMismatchError("remote runs a prompt's traces on the server; a cache is attributed here")
+        raise ConfigMismatchError("remote runs a prompt's clean pass on the server; a cache is attributed here")
     if o.qk_heads and (cached or remote):
         raise ConfigMismatchError("qk_heads traces a prompt locally: not with a cache or remote")
+    text = prompt if isinstance(prompt, str) else ""
+    if remote:
+        # the clean pass on the server, saving what the frozen model takes from it; the frozen pass and its backward
+        # passes here, from that cache (the engine stays on the client: its modules are outside NDIF's unpickling
+        # whitelist), so the model's weights must be here: refused before the request is sent. Until 2026-11-29 the
+        # frozen pass ran here as a second trace of the client's own model, though the docs said both traces ran
+        # on the server.
+        check_placement(hf_module(replacement.model), *layer_modules(replacement))
+        prompt, cached = cache_for_attribution(replacement, prompt, remote=remote), True
     model, adapter = replacement.model, replacement.adapter
     root = hf_module(model)
     model_dtype = next(root.parameters()).dtype
@@ -143,14 +152,14 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
         def run(scheduler: RowScheduler) -> torch.Tensor:
             return attribute_cached(root, prepared, cache, scheduler, batch_size, make, dtype)
     else:
-        prepared = prepare(replacement, prompt, remote=remote, **layout_options)
+        prepared = prepare(replacement, prompt, **layout_options)
         trace_pass = frozen_pass
 
         def run(scheduler: RowScheduler) -> torch.Tensor:
             if trace_pass is not None:
                 return trace_pass(prepared, scheduler, batch_size, make)
             return attribute_in_trace(model, prepared.adapter, prepared.layout, prepared.mhsa, scheduler, batch_size,
-                                      make=make, remote=remote, dtype=dtype)
+                                      make=make, dtype=dtype)
     # offloaded modules: their active rows kept on the device when they fit (offload.rows_placement); max_memory:
     # the largest batch that fits it
     info = functools.cache(lambda: estimate_info(replacement, prepared, patterns, node_vectors, config is not None,
@@ -159,7 +168,7 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
                      max_feature_nodes=o.max_feature_nodes, max_memory=o.max_memory,
                      devices=lambda: layer_devices(root, adapter))
     batch_size, offload_rows = plan.batch, plan.rows
-    # (the keyword only where rows are kept: a remote model, on meta, never does)
+    # (the keyword only where rows are kept)
     kept: dict[str, Any] = {} if offload_rows in (None, "host") else {"offload_rows": offload_rows}
     make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype, **kept)
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(prepared.lorsas),
@@ -172,8 +181,8 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
             "offload_rows": rows_label(offload_rows), "offload_rows_kept_bytes": plan.kept_bytes}
     graph = compute_graph(prepared.layout, run, max_feature_nodes=o.max_feature_nodes,
                           update_interval=o.update_interval, zero_positions=o.zero_positions,
-                          progress=show_progress(o.progress) and not remote, prune=config,
-                          prompt=prompt if isinstance(prompt, str) else "", meta=meta,
+                          progress=show_progress(o.progress), prune=config,
+                          prompt=text, meta=meta,
                           ranking_mirror=plan.ranking_mirror)
     if o.qk_heads:
         graph.qk = qk_for_graph(replacement, prepared, graph, o.qk_heads, QK_TOP_PAIRS, batch_size, dtype,

@@ -649,20 +649,19 @@ def _where(module: Any) -> str:
     return ", ".join(devices) or "nowhere (no parameters)"
 
 
-def check_placement(root: torch.nn.Module, lorsas: dict[int, Any], transcoders: dict[int, Any],
-                    model_weights: bool = True) -> None:
+def check_placement(root: torch.nn.Module, lorsas: dict[int, Any], transcoders: dict[int, Any]) -> None:
     """Refuse a placement the frozen pass cannot run with, before anything runs. Replacement modules may sit
     on another device than their layer, and the model on several devices (``device_map="auto"``): every
     module's inputs are moved to its device and dtype, its results back. What cannot work is a module
     without weights to read: parameters on the ``meta`` device (never materialised, or offloaded by
-    accelerate — the frozen pass reads the model's norm, attention and unembedding weights directly);
-    ``model_weights=False`` checks the replacement modules only (a remote model is a meta-device copy).
+    accelerate — the frozen pass reads the model's norm, attention and unembedding weights directly; a remote
+    prompt's graph too, built here from its cache).
 
     Raises:
         PlacementError: naming the module and where its parameters are.
     """
     model_at = _where(root)
-    for name, param in root.named_parameters() if model_weights else ():
+    for name, param in root.named_parameters():
         if param.device.type == "meta":
             raise PlacementError(f"the model's parameter {name!r} is on the meta device (offloaded or never loaded); "
                                  "attribution reads the model's weights directly: load the model onto real devices "

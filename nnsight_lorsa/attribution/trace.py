@@ -179,8 +179,7 @@ class Prepared:
     dtype: torch.dtype | None = None
 
 
-def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, remote: Any = False,
-            dtype: torch.dtype | None = None,
+def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, dtype: torch.dtype | None = None,
             cache: AttributionCache | None = None, zero_positions: int = 0,
             live: LiveNodes | None = None) -> Prepared:
     """The clean pass over ``prompt`` (text or ids) and the layout of its nodes — or, with ``cache``
@@ -192,20 +191,20 @@ def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, remote: A
         LayerOutOfRangeError, ShapeError: bad layers or prompt — before the model runs.
         ArgumentError, ConfigMismatchError, MissingTokenizerError: bad ``targets`` (an id outside the
             vocabulary only after the clean pass).
-        PlacementError: a replacement module (or, unless ``remote``, the model) with weights on the
-            ``meta`` device (:func:`.replacement.check_placement`).
+        PlacementError: a replacement module or the model with weights on the ``meta`` device
+            (:func:`.replacement.check_placement`).
     """
     model, adapter = replacement.model, replacement.adapter
     ids = token_ids(check_targets(targets), model)
     lor, tcs = layer_modules(replacement)
-    check_placement(hf_module(model), lor, tcs, model_weights=not remote)
+    check_placement(hf_module(model), lor, tcs)
     if dtype is not None:  # the whole frozen model in dtype: modules in another dtype (even the model's) copied
         lor, tcs = copies_in(lor, dtype), copies_in(tcs, dtype)
     modules, mhsa = replacement_modules(model, adapter, lor, tcs)
     if dtype is not None:
         mhsa = {layer: weights_in(w, dtype) for layer, w in mhsa.items()}
     if cache is None:
-        cache = clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote,
+        cache = clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs),
                            tc_sites=transcoder_sites(replacement, tcs))
     layout = layout_of(cache, modules, adapter, targets=ids, zero_positions=zero_positions, live=live)
     return Prepared(layout, mhsa, adapter, lor, tcs, dtype)
@@ -364,14 +363,14 @@ def _record(scheduler: Any, rows: list[int], grad: torch.Tensor) -> None:
 
 def attribute_in_trace(model: Any, adapter: ArchitectureAdapter, layout: Layout, mhsa: dict[int, Any],
                        scheduler: Any, batch_size: int,
-                       make: Callable[..., FrozenReplacement] = FrozenReplacement, remote: Any = False,
+                       make: Callable[..., FrozenReplacement] = FrozenReplacement,
                        dtype: torch.dtype | None = None) -> torch.Tensor:
     """Run the frozen pass over ``batch_size`` copies of the prompt in one ``model.trace`` and fill
     ``scheduler`` (a :class:`RowScheduler`, or anything with ``next_rows``/``record``) with edge
     rows; returns the target values ``(n_targets,)`` of the frozen model. ``make(layout, M, mhsa)``
-    builds the frozen forward (a subclass records other targets, e.g. :mod:`.qk`). ``remote`` is
-    passed to ``model.trace`` (``True``: NDIF; ``"local"``: nnsight's serializing simulation): the
-    scheduler then runs on the server and its rows come back as a saved value. ``dtype``: the dtype ``make``'s
+    builds the frozen forward (a subclass records other targets, e.g. :mod:`.qk`). Always a local trace: a remote
+    prompt's graph is built here from the cache of its clean pass (:func:`.engine.build_graph`). ``dtype``: the
+    dtype ``make``'s
     frozen model computes in (None: the model's), which the multipliers take where it is wider than fp32
     (:func:`multiplier_dtype`)."""
     ids = layout.tokens[None].expand(batch_size, -1).to(model.device)
@@ -382,8 +381,7 @@ def attribute_in_trace(model: Any, adapter: ArchitectureAdapter, layout: Layout,
         frozen_forward_body(model, adapter, frozen)
         T = frozen.targets()
         backward_rows(frozen, M, scheduler, batch_size, nnsight_backward)
-        # the error nodes' activations, set in the frozen pass (FrozenReplacement.error_const): on a remote server
-        # into the server's copy of the layout
+        # the error nodes' activations, set in the frozen pass (FrozenReplacement.error_const)
         result = nnsight.save((T[0].detach(), scheduler.done, scheduler.rows, frozen.layout.nodes.activation))
     values, scheduler.done, scheduler.rows, activation = result
     if activation is not layout.nodes.activation:
