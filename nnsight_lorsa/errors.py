@@ -251,12 +251,14 @@ class MissingDependencyError(LorsaError, ImportError):
 
 
 class ServerVersionError(LorsaError, RuntimeError):
-    """The remote server runs another nnsight version than this client (read from its ``GET /env`` before a
-    request is sent; :mod:`nnsight_lorsa.server_version`). The message names both and what to do.
+    """The remote server runs another nnsight version than this client, or another Python (read from its
+    ``GET /env`` before a request is sent; :mod:`nnsight_lorsa.server_version`). The message names both and what to
+    do.
 
     Attributes:
         host: the server's address.
-        client_version, server_version: the two nnsight versions.
+        client_version, server_version: the two nnsight versions (``"Python 3.11"`` / ``"Python 3.12"`` where the
+            Pythons differ).
 
     Source: ours (this package's named errors).
     """

@@ -288,7 +288,7 @@ while True:
     blob = inp.read(struct.unpack("<Q", inp.read(8))[0])
     if envelope.get("__env__"):  # NDIF's GET /env: the server's python and packages, by import name
         from importlib.metadata import version
-        response = {"python_version": sys.version,
+        response = {"python_version": RULES.get("python_version") or sys.version,
                     "packages": {"torch": torch.__version__, "nnsight": RULES["nnsight_version"] or version("nnsight")}}
     else:
         response = serve(envelope, blob)
@@ -330,16 +330,17 @@ class LoopbackServer:
         runtime, deserialization: the module whitelists, default NDIF's (:data:`NDIF_RUNTIME_MODULES`,
             :data:`NDIF_DESERIALIZATION_MODULES`).
         nnsight_version: the nnsight version ``env()`` reports; None: the one the server process has installed.
+        python_version: the ``python_version`` ``env()`` reports; None: the server process's ``sys.version``.
     """
 
     def __init__(self, *, seed: int = 0, dtype: str = "float32", max_request_bytes: int = REDIS_PROTO_MAX_BULK_LEN,
                  runtime: tuple = NDIF_RUNTIME_MODULES, deserialization: tuple = NDIF_DESERIALIZATION_MODULES,
-                 nnsight_version: str | None = None, family: str = "llama") -> None:
+                 nnsight_version: str | None = None, family: str = "llama", python_version: str | None = None) -> None:
         script = (SERVER_SCRIPT.replace("BUILD_MODEL", textwrap.dedent(inspect.getsource(build_model)))
                   .replace("MODULE_ALLOWED", textwrap.dedent(inspect.getsource(module_allowed))))
         rules = json.dumps({"runtime": runtime, "deserialization": deserialization,
                             "max_request_bytes": max_request_bytes, "exempt": NNSIGHT_OWN_RUNTIME_IMPORTS,
-                            "nnsight_version": nnsight_version})
+                            "nnsight_version": nnsight_version, "python_version": python_version})
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr, for its lifetime
         self.proc = subprocess.Popen([sys.executable, "-c", script, str(TESTS), str(seed), dtype, rules, family],

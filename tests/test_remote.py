@@ -842,6 +842,17 @@ except ServerVersionError as e:
     mismatch = {"message": str(e), "client": e.client_version, "server": e.server_version, "host": e.host}
 with model.trace(ids, backend=remote_backend(model, host=old_host, check_version=False)):
     unchecked = nnsight.save(model.lm_head.output)
+other_python = LoopbackServer(python_version="3.99.0 (main) [a Python of another bytecode]")
+other_python_host = serve_env(other_python)
+before_python = len(sent)
+try:
+    with model.trace(ids, backend=remote_backend(model, host=other_python_host)):
+        nope = nnsight.save(model.lm_head.output)
+    python_mismatch = None
+except ServerVersionError as e:
+    python_mismatch = {"message": str(e), "client": e.client_version, "server": e.server_version}
+python_mismatch_sent = len(sent) - before_python
+other_python.close()
 silent_host = serve_env(old, path="/nothing")    # a server without GET /env: a warning, the request goes
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -864,6 +875,7 @@ def logit_gap(graph, saved):
 out = {"requests": requests, "batch_problem": batch_problem, "refused": refused, "local_pickle": local_pickle,
        "kind": type(remote_handle).__name__,
        "env_calls": len(env_calls), "mismatch": mismatch, "mismatch_sent": len(sent) - before,
+       "python_mismatch": python_mismatch, "python_mismatch_sent": python_mismatch_sent,
        "unchecked_equal": bool(torch.equal(unchecked, clean)), "unreported_equal": bool(torch.equal(unreported, clean)),
        "warned": [str(w.message) for w in caught if issubclass(w.category, ServerVersionWarning)],
        "local_pass_adjacency": rel(local_again.densify(), local.densify()),
@@ -1154,3 +1166,16 @@ def test_attribute_remote_on_a_meta_model_is_refused_before_sending(monkeypatch:
     with pytest.raises(PlacementError, match="meta"):
         attribute(ReplacementModel(model, lorsas=LorsaSet(model, {1: lorsa})), random_ids(1, 6)[0], remote=True)
     assert sent == []
+
+
+def test_a_server_on_another_python_is_refused_before_sending(intervened_loopback: dict) -> None:
+    """``GET /env``'s ``python_version`` another ``major.minor`` than the client's: the bytecode a request carries
+    (dataclass-generated methods) would not run there (3.11 → 3.12 segfaulted the unpickling process in a probe):
+    ``ServerVersionError`` naming both Pythons, nothing sent."""
+    import sys
+
+    got = intervened_loopback["python_mismatch"]
+    assert got is not None and intervened_loopback["python_mismatch_sent"] == 0
+    here = "{}.{}".format(*sys.version_info[:2])
+    assert got["server"] == "Python 3.99" and got["client"] == f"Python {here}"
+    assert "runs Python 3.99" in got["message"] and "bytecode" in got["message"]
