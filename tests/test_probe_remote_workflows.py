@@ -4,7 +4,7 @@ as the local run, bit for bit (fp32, CPU on both sides), on drawn prompts, batch
 positions: ``replace`` with and without the error term, the patching interventions (``ablate`` / ``scale`` /
 ``steer`` on a Lorsa head at drawn positions), reading the model's internals before and after the splice, a
 session of traces (one request), ``generate`` with an edit, and ``attribute(rm, prompt, remote=True)`` (the
-adjacency). Every request goes through ``register()``'s ``MeasuredRemoteBackend`` (size caps, the opcode check of
+adjacency, against the graph of a local clean pass's cache: the remote one is built from its cache). Every request goes through ``register()``'s ``MeasuredRemoteBackend`` (size caps, the opcode check of
 ``ndif_rules``) and the loopback asserts that no rule was broken and nothing stayed attached.
 
 One client (and one server) per drawn list of cases: the default run draws one list; the sweep (``slow``) more.
@@ -25,6 +25,7 @@ import json, torch, nnsight
 from loopback import LoopbackServer, build_model, loopback
 from helpers import make_lorsa, random_ids
 from nnsight_lorsa import LorsaSet, ReplacementModel, attribute, get_adapter
+from nnsight_lorsa.attribution import cache_for_attribution
 from nnsight_lorsa.patching import LorsaHead, ablate, read, scale, steer
 from nnsight_lorsa.remote import for_remote, register
 
@@ -87,7 +88,9 @@ def gen(r, ids, layer, head, kind, alpha, pos, remote, steps=2):   # the body's 
     return {"tokens": tokens}
 
 
-def graph(r, ids, remote):   # attribute(rm, prompt, remote=True): both traces on the server
+def graph(r, ids, remote):   # attribute(rm, prompt, remote=True): the clean pass on the server, the graph built here
+    if not remote:           # the same, from a clean pass run here (the traced engine agrees to rounding only)
+        return {"adjacency": attribute(r, cache_for_attribution(r, ids)).densify()}
     return {"adjacency": attribute(r, ids, remote=remote).densify()}
 
 
