@@ -4,8 +4,9 @@ as the local run, bit for bit (fp32, CPU on both sides), on drawn prompts, batch
 positions: ``replace`` with and without the error term, the patching interventions (``ablate`` / ``scale`` /
 ``steer`` on a Lorsa head at drawn positions), reading the model's internals before and after the splice, a
 session of traces (one request), ``generate`` with an edit, and ``attribute(rm, prompt, remote=True)`` (the
-adjacency, against the graph of a local clean pass's cache: the remote one is built from its cache). Every request goes through ``register()``'s ``MeasuredRemoteBackend`` (size caps, the opcode check of
-``ndif_rules``) and the loopback asserts that no rule was broken and nothing stayed attached.
+adjacency, against the graph of a local clean pass's cache: the remote one is built from its cache). Every request
+goes through ``register()``'s ``MeasuredRemoteBackend`` (size caps, the opcode check of ``ndif_rules``) and the
+loopback asserts that no rule was broken and nothing stayed attached.
 
 One client (and one server) per drawn list of cases: the default run draws one list; the sweep (``slow``) more.
 """

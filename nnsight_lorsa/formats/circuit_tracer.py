@@ -529,7 +529,9 @@ def save_circuit_tracer_transcoders(transcoders: dict[int, Transcoder], director
         UnsupportedArchitectureError: an activation other than relu / jumprelu. TopK in particular:
             circuit-tracer 0.5.0's files have no key or config entry for ``k`` (``load_relu_transcoder``
             builds ReLU or JumpReLU only), so a TopK transcoder would load there as ReLU. A hook outside
-            :data:`~.hook_sites.MLP_INPUT_HOOKS` / :data:`~.hook_sites.MLP_OUTPUT_HOOKS`, naming it.
+            :data:`~.hook_sites.MLP_INPUT_HOOKS` / :data:`~.hook_sites.MLP_OUTPUT_HOOKS`, naming it. A layer
+            circuit-tracer computes otherwise (:func:`_check_circuit_tracer_layer`: an SAE centring or normalising
+            its input, ``d_out != d_in``), layers of different widths or skip paths.
         ArgumentError: the layers are not ``0..n-1`` (circuit-tracer's ``config.yaml`` lists the files in layer
             order, a file's place in the list is its layer, and our reader refuses such a set), before anything is
             written.
@@ -545,6 +547,13 @@ def save_circuit_tracer_transcoders(transcoders: dict[int, Transcoder], director
                 f"layer {layer}: activation {tc.cfg.activation!r} cannot be saved for circuit-tracer: its "
                 "transcoder files (0.5.0) express relu or jump_relu only (load_relu_transcoder reads no k), so it "
                 "would load there as ReLU; save it with format='nnsight_lorsa' or 'saelens'")
+        _check_circuit_tracer_layer(layer, tc)
+    shapes = {(tc.cfg.d_sae, kind_of(tc) == "skip_transcoder") for tc in transcoders.values()}
+    if len(shapes) > 1:
+        raise UnsupportedArchitectureError(
+            f"the layers differ in width or skip path ({sorted(shapes)} as (d_sae, skip)): circuit-tracer's "
+            "TranscoderSet asserts one d_sae and takes the skip flag of layer 0 for every layer (a later layer's skip "
+            "path left out of its attribution, or refused); save them with format='nnsight_lorsa'")
     with atomic_directory(directory) as stage:
         for layer, tc in sorted(transcoders.items()):
             state: dict[str, Any] = {"W_enc": tc.W_enc.T, "W_dec": tc.W_dec, "b_enc": tc.b_enc, "b_dec": tc.b_dec}
@@ -554,7 +563,33 @@ def save_circuit_tracer_transcoders(transcoders: dict[int, Transcoder], director
                 state[THRESHOLD_KEY] = getattr(tc.activation, "threshold")  # noqa: B009
             stage.save_tensors(f"layer_{layer}.safetensors",
                                {k: v.detach().cpu().contiguous() for k, v in state.items()})
+        # no 'transcoders' list: circuit-tracer opens a listed path as given (resolve_transcoder_paths), so a bare
+        # name resolves against the process's working directory; without the list a hub load finds the repo's
+        # layer_<i>.safetensors itself, and so does our reader
         _write_yaml(stage, {"model_kind": "transcoder_set", "model_name": model_name,
-                            "feature_input_hook": feature_input_hook, "feature_output_hook": feature_output_hook,
-                            "transcoders": [f"layer_{layer}.safetensors" for layer in sorted(transcoders)]})
+                            "feature_input_hook": feature_input_hook, "feature_output_hook": feature_output_hook})
     return Path(directory)
+
+
+def _check_circuit_tracer_layer(layer: int, tc: Any) -> None:
+    """A layer circuit-tracer's ``SingleLayerTranscoder`` computes as we do: ``relu(x W_enc + b_enc)`` read from
+    ``x`` itself (no ``b_dec`` subtracted, no normalisation: an SAE of ours that centres or normalises its input is
+    another function there) and ``d_out = d_in`` (``load_relu_transcoder`` sizes ``W_enc`` and ``W_skip`` from
+    ``b_dec``).
+
+    Raises:
+        UnsupportedArchitectureError: naming the layer and the setting.
+    """
+    cfg = tc.cfg
+    norm = getattr(cfg, "normalize_activations", "none")
+    if getattr(cfg, "apply_b_dec_to_input", False) or norm != "none":
+        raise UnsupportedArchitectureError(
+            f"layer {layer}: the SAE subtracts b_dec from its input (apply_b_dec_to_input) or normalises it "
+            f"(normalize_activations={norm!r}); circuit-tracer's transcoders compute relu(x W_enc + b_enc) from x "
+            "itself (single_layer_transcoder.py): it would compute another function there; save it with "
+            "format='saelens' or 'nnsight_lorsa'")
+    if tc.d_out != cfg.d_in:
+        raise UnsupportedArchitectureError(
+            f"layer {layer}: d_out={tc.d_out} != d_in={cfg.d_in}; circuit-tracer sizes W_enc and W_skip from b_dec "
+            "(load_relu_transcoder: d_model = b_dec.shape[0]) and refuses such a file; save it with "
+            "format='saelens' or 'nnsight_lorsa'")

@@ -645,8 +645,10 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
 
     Raises:
         UnsupportedArchitectureError: RoPE their config cannot express (``rope_type`` other than
-            default/llama3, ``attention_scaling != 1``, a non-integer base).
-        ArgumentError: no hook points given and neither ``cfg.extra`` nor ``cfg.layer`` names them; ``model=`` for
+            default/llama3, ``attention_scaling != 1``, a non-integer base or llama3
+            ``original_max_position_embeddings``).
+        ArgumentError: no hook points given and neither ``cfg.extra`` nor ``cfg.layer`` names them, or one hook for
+            both (their ``LorsaConfig`` refuses it); ``model=`` for
             a Lorsa without ``cfg.layer``, or one that reads ``ln1.hook_normalized`` already (theirs, not folded).
         UnsupportedArchitectureError: ``model=`` of a family whose Lorsa has no TransformerLens form (a
             post-attention norm: Gemma-2/3, OLMo-2).
@@ -665,6 +667,9 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
         else:
             raise ArgumentError("save(format='llamascopium') needs hook_point_in= and hook_point_out= "
                                 "(cfg.layer is None and cfg.extra has no llamascopium hook points)")
+    if hook_point_in == hook_point_out:
+        raise ArgumentError(f"save(format='llamascopium'): hook_point_in and hook_point_out are both "
+                            f"{hook_point_in!r}; their LorsaConfig refuses a Lorsa that reads and writes one hook")
     n_ctx = int(n_ctx or known.get("n_ctx") or 2048)
     expansion = cfg.n_ov_heads / cfg.d_model
     while int(cfg.d_model * expansion) < cfg.n_ov_heads:  # their d_sae = int(d_model * expansion_factor)
@@ -684,12 +689,14 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
     state["IGNORE"] = torch.tensor(-torch.inf, device="cpu")
     rot = cfg.rotary
     if rot is not None:
+        original = (rot.scaling or {}).get("original_max_position_embeddings", 0) if rot.rope_type == "llama3" else 0
         if (rot.rope_type not in ("default", "llama3") or rot.attention_scaling != 1 or float(rot.base) != int(rot.base)
-                or rot.inv_freq_dtype is not None):
+                or rot.inv_freq_dtype is not None or float(original) != int(original)):
             raise UnsupportedArchitectureError(
                 f"Llamascopium's config cannot express rope_type={rot.rope_type!r}, "
-                f"attention_scaling={rot.attention_scaling}, base={rot.base}, inv_freq_dtype={rot.inv_freq_dtype!r} "
-                "(default/llama3 RoPE, integer base, fp32 frequencies)")
+                f"attention_scaling={rot.attention_scaling}, base={rot.base}, inv_freq_dtype={rot.inv_freq_dtype!r}, "
+                f"original_max_position_embeddings={original!r} (default/llama3 RoPE, integer base and context, fp32 "
+                "frequencies)")
         doc.update(rotary_dim=rot.rotary_dim, rotary_base=int(rot.base), rotary_adjacent_pairs=rot.interleaved,
                    use_NTK_by_parts_rope=rot.rope_type == "llama3")
         if rot.rope_type == "llama3":

@@ -584,7 +584,9 @@ _ARCH_OF = {("sae", "relu"): "standard", ("sae", "topk"): "topk", ("sae", "jumpr
 
 def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.PathLike[str], *,
                  hook_name: str | None = None, model_name: str | None = None) -> Path:
-    """Write ``module`` in SAELens v6 layout (``cfg.json`` + ``sae_weights.safetensors``). ``metadata`` records
+    """Write ``module`` in SAELens v6 layout (``cfg.json`` + ``sae_weights.safetensors``). A module loaded from
+    SAELens keeps its ``hook_name`` (unless one is given) and, loaded without its ``norm_scaling_factor``, its
+    ``normalize_activations: expected_average_only_in`` (its weights still expect scaled inputs). ``metadata`` records
     ``model_from_pretrained_kwargs.center_writing_weights`` (:func:`~.hook_sites.trained_centred`): false for a
     module of this package (trained on the Hugging Face model), the file's own for one loaded from SAELens or
     Llamascopium (left out where that file did not say).
@@ -617,16 +619,23 @@ def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.Pat
                and (hook_name is None or hook_name.endswith("_z")) else "none")
     # the layout's version: SAELens reads a file without one as pre-6.0 and rebuilds metadata from top-level keys
     # only, losing hook_name (handle_config_defaulting)
+    if hook_name is None and isinstance(source.get("hook_name"), str):  # a module loaded from SAELens keeps its hook
+        hook_name = source["hook_name"]
     metadata: dict[str, Any] = {"hook_name": hook_name, "model_name": model_name, "sae_lens_version": "6.0.0"}
     centred = trained_centred(module)
     if centred is not None:  # which residual it reads (SAELens: load the model with these); unknown stays unsaid
         metadata["model_from_pretrained_kwargs"] = {"center_writing_weights": centred}
     if source.get("hook_head_index") is not None:
         metadata["hook_head_index"] = source["hook_head_index"]
+    normalize = getattr(module.cfg, "normalize_activations", "none")
+    if normalize == "none" and source.get("normalize_activations") == "expected_average_only_in" \
+            and not source.get("norm_folded"):
+        # loaded without its dataset-wide factor: the weights still expect inputs scaled by it — the file says so
+        normalize = "expected_average_only_in"
     cfg: dict[str, Any] = {
         "architecture": arch, "d_in": module.cfg.d_in, "d_sae": module.cfg.d_sae, "dtype": dtype, "device": "cpu",
         "apply_b_dec_to_input": bool(getattr(module.cfg, "apply_b_dec_to_input", False)),
-        "normalize_activations": getattr(module.cfg, "normalize_activations", "none"), "reshape_activations": reshape,
+        "normalize_activations": normalize, "reshape_activations": reshape,
         "metadata": metadata,
     }
     if kind != "sae":

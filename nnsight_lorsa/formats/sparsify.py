@@ -206,7 +206,8 @@ def save_sparsify(module: SparseAutoencoder | Transcoder, directory: str | os.Pa
     """Write a TopK SAE / transcoder in sparsify layout (``cfg.json`` + ``sae.safetensors``).
 
     Raises:
-        UnsupportedArchitectureError: not TopK / GroupMax, an SAE without ``b_dec`` centering, or ``d_out != d_in``.
+        UnsupportedArchitectureError: not TopK / GroupMax, an SAE without ``b_dec`` centering or with an input
+            normalisation (``normalize_activations``: sparsify's ``encode`` has none), or ``d_out != d_in``.
     """
     cfg: Any = module.cfg
     kind = kind_of(module)
@@ -215,6 +216,12 @@ def save_sparsify(module: SparseAutoencoder | Transcoder, directory: str | os.Pa
             not transcode and not getattr(cfg, "apply_b_dec_to_input", True)):
         raise UnsupportedArchitectureError("sparsify stores TopK / GroupMax coders with d_out = d_in (SAEs centred "
                                            f"by b_dec); got activation {cfg.activation!r}, d_out={module.d_out}")
+    norm = getattr(cfg, "normalize_activations", "none")
+    if norm != "none":
+        raise UnsupportedArchitectureError(
+            f"the SAE normalises its input (normalize_activations={norm!r}), which sparsify's coders do not "
+            "(sparse_coder.py encode: x − b_dec only): written, it would compute another function there; save it "
+            "with format='saelens' or 'nnsight_lorsa'")
     state = {"encoder.weight": module.W_enc.detach().T, "encoder.bias": module.b_enc.detach(),
              "W_dec": module.W_dec.detach(), "b_dec": module.b_dec.detach()}
     skip = kind == "skip_transcoder"

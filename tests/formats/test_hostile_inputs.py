@@ -188,8 +188,8 @@ def test_circuit_tracer_layer_files_must_be_layer_digits(tmp_path, listed):
     (d / "checksums.json").unlink()
     (d / "layer_1.safetensors").rename(d / "layer_\u0661.safetensors")
     yaml = (d / "config.yaml").read_text(encoding="utf-8")
-    if listed:  # the config lists the file: its layer is read from its name
-        yaml = yaml.replace("- layer_1.safetensors", "- layer_\u0661.safetensors")
+    if listed:  # the config lists the file: its layer is read from its name (our writer lists none: added here)
+        yaml += "transcoders:\n- layer_0.safetensors\n- layer_\u0661.safetensors\n"
         match = r"config\.yaml: key 'transcoders'\[1\] is 'layer_\u0661\.safetensors'; a layer file is named"
     else:  # no list: the folder's layer_<i> files
         yaml = yaml.split("transcoders:")[0]

@@ -174,23 +174,17 @@ def test_config_activation_jump_relu_is_circuit_tracers_jumprelu(tmp_path: Path)
             assert _rel(ts[i](ref["x"]), ref[f"forward_{i}"]) <= 1e-5
 
 
-def test_a_transcoder_set_with_another_output_width_round_trips(tmp_path: Path) -> None:
-    # d_out is b_dec's length (our transcoders may write a width other than the one they read)
+def test_a_transcoder_set_with_another_output_width_is_refused_for_circuit_tracer(tmp_path: Path) -> None:
+    # d_out != d_in: circuit-tracer sizes W_enc and W_skip from b_dec (load_relu_transcoder) and refuses the file
+    # (a fuzz against it, 2026-11-29); written until then, read back by our reader only
+    from nnsight_lorsa.errors import UnsupportedArchitectureError
     from nnsight_lorsa.formats.circuit_tracer import save_circuit_tracer_transcoders
     from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
 
-    torch.manual_seed(0)
     tcs = {i: Transcoder(TranscoderConfig(d_in=8, d_sae=16, d_out=6, layer=i)) for i in range(2)}
-    with torch.no_grad():
-        for tc in tcs.values():
-            for p in tc.parameters():
-                p.copy_(torch.randn_like(p))
-    back = load(save_circuit_tracer_transcoders(tcs, tmp_path / "s"))
-    x = torch.randn(5, 8)
-    with torch.no_grad():
-        for i in range(2):
-            assert back[i].cfg.d_out == 6
-            assert _rel(back[i](x), tcs[i](x)) <= 1e-6
+    with pytest.raises(UnsupportedArchitectureError, match="d_out=6 != d_in=8"):
+        save_circuit_tracer_transcoders(tcs, tmp_path / "s")
+    assert not (tmp_path / "s").exists()
 
 
 def _random_transcoders(layers: list[int]) -> dict[int, object]:
@@ -219,22 +213,18 @@ def test_a_set_given_out_of_layer_order_is_saved_listed_in_layer_order(tmp_path:
             assert _rel(back[i](x), tcs[i](x)) <= 1e-6  # type: ignore[operator]
 
 
-def test_a_set_with_a_skip_path_on_one_layer_only_keeps_it_there(tmp_path: Path) -> None:
-    # each layer file is its own transcoder: W_skip in layer_1 only makes layer 1 (only) a SkipTranscoder
+def test_a_set_with_a_skip_path_on_one_layer_only_is_refused_for_circuit_tracer(tmp_path: Path) -> None:
+    # circuit-tracer's TranscoderSet takes layer 0's skip flag for every layer: a later layer's skip path left out of
+    # its attribution, or refused (a fuzz against it, 2026-11-29); written until then
+    from nnsight_lorsa.errors import UnsupportedArchitectureError
     from nnsight_lorsa.formats.circuit_tracer import save_circuit_tracer_transcoders
     from nnsight_lorsa.modules.transcoder import SkipTranscoder, TranscoderConfig
 
     tcs = _random_transcoders([0])
-    skip = SkipTranscoder(TranscoderConfig(d_in=8, d_sae=16, layer=1))
-    with torch.no_grad():
-        for p in skip.parameters():
-            p.copy_(torch.randn_like(p))
-    tcs[1] = skip
-    back = load(save_circuit_tracer_transcoders(tcs, tmp_path / "s"))  # type: ignore[arg-type]
-    assert not isinstance(back[0], SkipTranscoder) and isinstance(back[1], SkipTranscoder)
-    x = torch.randn(3, 8)
-    with torch.no_grad():
-        assert _rel(back[1](x), skip(x)) <= 1e-6
+    tcs[1] = SkipTranscoder(TranscoderConfig(d_in=8, d_sae=16, layer=1))
+    with pytest.raises(UnsupportedArchitectureError, match="differ in width or skip path"):
+        save_circuit_tracer_transcoders(tcs, tmp_path / "s")  # type: ignore[arg-type]
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.parametrize("hook", ["mlp.hook_out", "hook_resid_mid"])
