@@ -83,9 +83,14 @@ def _config(kind: str, files: list[str] | None = None, **extra) -> dict:
 
 
 def _load_set(directory: Path) -> TranscoderSet:
-    """circuit-tracer's own reader of a local ``config.yaml`` + layer files (``load_transcoders`` minus the hub)."""
+    """circuit-tracer's own reader of a local ``config.yaml`` + layer files (``load_transcoders`` minus the hub:
+    ``resolve_transcoder_paths``, its listed paths, or without a list the folder's ``layer_<i>.safetensors``)."""
     cfg = yaml.safe_load((directory / "config.yaml").read_text())
-    paths = {i: str(directory / p) for i, p in enumerate(cfg["transcoders"])}
+    if "transcoders" in cfg:
+        paths = {i: str(directory / p) for i, p in enumerate(cfg["transcoders"])}
+    else:  # resolve_transcoder_paths without a list: layer_0 .. layer_{n-1} of the snapshot
+        n = len(list(directory.glob("layer_*.safetensors")))
+        paths = {i: str(directory / f"layer_{i}.safetensors") for i in range(n)}
     return load_transcoder_set(paths, scan=cfg.get("scan", "local"), feature_input_hook=cfg["feature_input_hook"],
                                feature_output_hook=cfg["feature_output_hook"], device=CPU, dtype=torch.float32,
                                lazy_encoder=False, lazy_decoder=False)
