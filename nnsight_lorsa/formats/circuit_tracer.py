@@ -582,12 +582,14 @@ def _check_circuit_tracer_layer(layer: int, tc: Any) -> None:
     """
     cfg = tc.cfg
     norm = getattr(cfg, "normalize_activations", "none")
-    if getattr(cfg, "apply_b_dec_to_input", False) or norm != "none":
+    what = [w for w, present in (("subtracts b_dec from its input (apply_b_dec_to_input)",
+                                  getattr(cfg, "apply_b_dec_to_input", False)),
+                                 (f"normalises its input (normalize_activations={norm!r})", norm != "none")) if present]
+    if what:
         raise UnsupportedArchitectureError(
-            f"layer {layer}: the SAE subtracts b_dec from its input (apply_b_dec_to_input) or normalises it "
-            f"(normalize_activations={norm!r}); circuit-tracer's transcoders compute relu(x W_enc + b_enc) from x "
-            "itself (single_layer_transcoder.py): it would compute another function there; save it with "
-            "format='saelens' or 'nnsight_lorsa'")
+            f"layer {layer}: the SAE {' and '.join(what)}; circuit-tracer's transcoders compute "
+            "relu(x W_enc + b_enc) from x itself (single_layer_transcoder.py): it would compute another function "
+            "there; save it with format='saelens' or 'nnsight_lorsa'")
     if tc.d_out != cfg.d_in:
         raise UnsupportedArchitectureError(
             f"layer {layer}: d_out={tc.d_out} != d_in={cfg.d_in}; circuit-tracer sizes W_enc and W_skip from b_dec "
