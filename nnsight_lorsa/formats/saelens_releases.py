@@ -102,8 +102,8 @@ def resolve_release(release: Any, sae_id: Any, *,  # each a str, checked below (
         CheckpointError: no registry, an unknown release or sae_id (the message lists some valid
             ones), an entry without ``repo_id`` / ``path``, a malformed entry (``saes`` not a list, a ``path``
             outside the repo, a ``norm_scaling_factor`` that is not a number, ``config_overrides`` not a mapping).
-        UnsupportedArchitectureError: the release needs a SAELens converter (``conversion_func``), or
-            the SAE is a pickle (``.pt``), which we never load.
+        UnsupportedArchitectureError: the release needs a SAELens converter (``conversion_func``). (A ``path``
+            ending ``.pt`` is a folder, as for SAELens's loader; nothing is ever unpickled.)
 
     Source: SAELens ``sae_lens/loading/pretrained_saes_directory.py`` (``pretrained_saes.yaml``).
     """
@@ -138,9 +138,9 @@ def resolve_release(release: Any, sae_id: Any, *,  # each a str, checked below (
     require(not folder.startswith("/") and ".." not in folder.split("/"), path,
             f"release {release!r} / {sae_id!r}: 'path' {folder!r} is not a folder inside the repo {repo_id!r} "
             "(absolute, or with a '..' part)")
-    if folder.endswith((".pt", ".pth", ".pkl")):
-        raise UnsupportedArchitectureError(f"release {release!r} / {sae_id!r} is the pickle {folder!r}; "
-                                           "pickles are never loaded")
+    # a path ending .pt is a folder here (SAELens's own loader, conversion_func null, fetches <path>/cfg.json and
+    # <path>/sae_weights.safetensors: gpt2-small-resid-post-v5-32k's v5_32k_layer_<i>.pt); it was refused as a
+    # pickle until 2026-11-29. Nothing is unpickled either way: a file of that name is no folder to read
     factor = sae.get("norm_scaling_factor")
     require(factor is None or (isinstance(factor, (int, float)) and not isinstance(factor, bool)), path,
             f"release {release!r} / {sae_id!r}: 'norm_scaling_factor' must be a number, got {factor!r}")

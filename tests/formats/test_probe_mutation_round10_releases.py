@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nnsight_lorsa.errors import CheckpointError, UnsupportedArchitectureError
+from nnsight_lorsa.errors import CheckpointError
 from nnsight_lorsa.formats import resolve_release
 
 
@@ -33,11 +33,26 @@ def test_an_edited_registry_is_read_again(tmp_path):
 
 
 @pytest.mark.parametrize("folder", ["sae.pt", "deep/sae.pth", "sae.pkl"])
-def test_every_pickle_suffix_is_refused(tmp_path, folder):
-    """``.pt``, ``.pth`` and ``.pkl`` are all pickles, never loaded (the module docstring's rule)."""
+def test_a_path_with_a_pickle_suffix_is_a_folder_and_nothing_is_unpickled(tmp_path, folder):
+    """SAELens's own loader (``conversion_func: null``) fetches ``<path>/cfg.json`` and ``<path>/sae_weights.
+    safetensors`` whatever the path's suffix (``gpt2-small-resid-post-v5-32k``: ``v5_32k_layer_0.pt``), so the path
+    is a folder: resolved (it was refused as a pickle until 2026-11-29), loaded from its safetensors; a *file* of that
+    name (a real pickle) is no folder and is refused by name, never unpickled."""
+    import shutil
+
+    from nnsight_lorsa.formats import load
+
+    peers = Path(__file__).resolve().parent.parent / "fixtures" / "peers" / "saelens"
     path = _registry(tmp_path, f"    path: {folder}\n")
-    with pytest.raises(UnsupportedArchitectureError, match="pickle"):
-        resolve_release("rel", "blocks.0.hook_resid_pre", registry=path)
+    assert resolve_release("rel", "blocks.0.hook_resid_pre", registry=path).path == folder
+    repo = tmp_path / "repo"
+    shutil.copytree(peers / "standard", repo / folder)
+    (repo / folder / "reference.safetensors").unlink()
+    assert load(repo, subfolder=folder).cfg.d_in == 16
+    shutil.rmtree(repo / folder)
+    (repo / folder).write_bytes(b"\x80\x04K\x01.")  # a pickle of the int 1
+    with pytest.raises(CheckpointError):
+        load(repo, subfolder=folder)
 
 
 def test_a_boolean_norm_scaling_factor_is_refused(tmp_path):
