@@ -205,7 +205,8 @@ def build_fixtures(root: Path) -> dict[str, Path]:
     dirs["sparsify_skip"] = dirs["sparsify_skip"] / "layers.1.mlp"
     _their_lorsa_files(at("llamascopium_lorsa"))
     _their_sae_files(at("llamascopium_sae"))
-    save({0: _coder("transcoder", "jumprelu"), 1: _coder("skip_transcoder", "relu")}, at("ct_transcoders"),
+    # one skip flag for the set (circuit-tracer takes layer 0's for every layer: a mixed set is refused on save)
+    save({0: _coder("skip_transcoder", "jumprelu"), 1: _coder("skip_transcoder", "relu")}, at("ct_transcoders"),
          format="circuit_tracer")
     save(_coder("clt", "jumprelu"), at("ct_clt"), format="circuit_tracer")
     return dirs

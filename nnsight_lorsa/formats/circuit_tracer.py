@@ -532,14 +532,13 @@ def save_circuit_tracer_transcoders(transcoders: dict[int, Transcoder], director
             :data:`~.hook_sites.MLP_INPUT_HOOKS` / :data:`~.hook_sites.MLP_OUTPUT_HOOKS`, naming it. A layer
             circuit-tracer computes otherwise (:func:`_check_circuit_tracer_layer`: an SAE centring or normalising
             its input, ``d_out != d_in``), layers of different widths or skip paths.
-        ArgumentError: the layers are not ``0..n-1`` (circuit-tracer's ``config.yaml`` lists the files in layer
-            order, a file's place in the list is its layer, and our reader refuses such a set), before anything is
-            written.
+        ArgumentError: the layers are not ``0..n-1`` (circuit-tracer reads ``layer_0`` … ``layer_{n-1}``: its
+            ``resolve_transcoder_paths`` without a list), before anything is written.
     """
     _check_written_hooks(feature_input_hook, feature_output_hook)
     if sorted(transcoders) != list(range(len(transcoders))):
-        raise ArgumentError(f"circuit-tracer transcoder sets cover layers 0..n-1 (the config lists one file per layer, "
-                            f"in order), got layers {sorted(transcoders)}: save every layer from 0, or use "
+        raise ArgumentError(f"circuit-tracer transcoder sets cover layers 0..n-1 (it reads layer_0 .. layer_<n-1>), "
+                            f"got layers {sorted(transcoders)}: save every layer from 0, or use "
                             "format='nnsight_lorsa'")
     for layer, tc in sorted(transcoders.items()):  # every input checked before anything is written
         if tc.cfg.activation not in ("relu", "jumprelu"):
