@@ -831,26 +831,25 @@ server_version._VERSIONS.clear()
 for _ in range(2):
     with model.trace(ids, remote=True):
         again = nnsight.save(model.lm_head.output)
+def version_refusal(host):
+    """The ServerVersionError a trace against ``host`` raises (as a dict; None if the trace ran)."""
+    try:
+        with model.trace(ids, backend=remote_backend(model, host=host)):
+            nnsight.save(model.lm_head.output)
+    except ServerVersionError as e:
+        return {"message": str(e), "client": e.client_version, "server": e.server_version, "host": e.host}
+    return None
+
+
 old = LoopbackServer(nnsight_version="0.7.0")    # a server on NDIF's June-2026 nnsight
 old_host = serve_env(old)
 before = len(sent)
-try:
-    with model.trace(ids, backend=remote_backend(model, host=old_host)):
-        nope = nnsight.save(model.lm_head.output)
-    mismatch = None
-except ServerVersionError as e:
-    mismatch = {"message": str(e), "client": e.client_version, "server": e.server_version, "host": e.host}
+mismatch = version_refusal(old_host)
 with model.trace(ids, backend=remote_backend(model, host=old_host, check_version=False)):
     unchecked = nnsight.save(model.lm_head.output)
 other_python = LoopbackServer(python_version="3.99.0 (main) [a Python of another bytecode]")
-other_python_host = serve_env(other_python)
 before_python = len(sent)
-try:
-    with model.trace(ids, backend=remote_backend(model, host=other_python_host)):
-        nope = nnsight.save(model.lm_head.output)
-    python_mismatch = None
-except ServerVersionError as e:
-    python_mismatch = {"message": str(e), "client": e.client_version, "server": e.server_version}
+python_mismatch = version_refusal(serve_env(other_python))
 python_mismatch_sent = len(sent) - before_python
 other_python.close()
 silent_host = serve_env(old, path="/nothing")    # a server without GET /env: a warning, the request goes
