@@ -164,12 +164,12 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     """
     module = parsed.build_module(parsed.settings["cls"], state, WEIGHTS_FILE, device=device, dtype=dtype)
     if parsed.settings["fold_b_dec"]:  # x̃ = x − b_dec: (x − b_dec) Wᵀ + b = x Wᵀ + (b − b_dec Wᵀ)
-        # folded after the cast, from the stored values (exact in the module's dtype when it is at least theirs):
-        # rounded once, in the dtype the module runs in (folded in the stored dtype, a bf16 file loaded in fp32
-        # kept a bf16 rounding of the fold: features 0.23 off, other top-k picks)
+        # from the stored values in fp64, rounded once to the dtype the module runs in (folded in the stored dtype,
+        # a bf16 file loaded in fp32 kept a bf16 rounding of the fold: features 0.23 off, other top-k picks)
         with torch.no_grad():
             b_enc = module.b_enc
-            b_enc.copy_((b_enc.double() - module.b_dec.double() @ module.W_enc.double()).to(b_enc.dtype))
+            folded = state["b_enc"].double() - state["b_dec"].double() @ state["W_enc"].double()
+            b_enc.copy_(folded.to(device=b_enc.device, dtype=b_enc.dtype))
     return module  # type: ignore[no-any-return]
 
 
