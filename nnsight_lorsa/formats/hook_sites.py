@@ -697,24 +697,18 @@ def _layer_norm_family(adapter: Any, root: Any) -> bool:
     return path is not None and isinstance(root.get_submodule(path), torch.nn.LayerNorm)
 
 
-def _input_hook(module: Any) -> Any:
-    """The hook name a module's file says it reads (circuit-tracer ``feature_input_hook``, llamascopium
-    ``hook_point_in``, SAELens ``hook_name``), or None."""
-    extra = _extra(module)
-    for fmt, key in (("circuit_tracer", "feature_input_hook"), ("llamascopium", "hook_point_in"),
-                     ("saelens", "hook_name")):
-        record = extra.get(fmt)
-        if isinstance(record, dict) and isinstance(record.get(key), str):
-            return record[key]
-    return None
+#: where each format's record names the hook a module reads, and the one it writes (an SAE's ``hook_name``: both)
+_INPUT_HOOK_KEYS = (("circuit_tracer", "feature_input_hook"), ("llamascopium", "hook_point_in"),
+                    ("saelens", "hook_name"))
+_OUTPUT_HOOK_KEYS = (("circuit_tracer", "feature_output_hook"), ("llamascopium", "hook_point_out"),
+                     ("saelens", "hook_name_out"), ("saelens", "hook_name"))
 
 
-def _output_hook(module: Any) -> Any:
-    """The hook name a module's file says it writes (circuit-tracer ``feature_output_hook``, llamascopium
-    ``hook_point_out``, SAELens ``hook_name_out``, else an SAE's ``hook_name``), or None."""
+def _recorded_hook(module: Any, keys: tuple[tuple[str, str], ...]) -> Any:
+    """The first hook name ``module``'s file records under ``keys`` (``(format, key)`` pairs of ``cfg.extra``:
+    :data:`_INPUT_HOOK_KEYS` or :data:`_OUTPUT_HOOK_KEYS`), or None."""
     extra = _extra(module)
-    for fmt, key in (("circuit_tracer", "feature_output_hook"), ("llamascopium", "hook_point_out"),
-                     ("saelens", "hook_name_out"), ("saelens", "hook_name")):
+    for fmt, key in keys:
         record = extra.get(fmt)
         if isinstance(record, dict) and isinstance(record.get(key), str):
             return record[key]
@@ -759,7 +753,7 @@ def centre_residual_input_(module: Any, adapter: Any, root: Any) -> bool:
     Source: TransformerLens ``weight_processing.py`` (``center_writing_weights``, LayerNorm models only);
     Llamascopium ``backend/language_model.py``; SAELens ``saes/sae.py`` (``model_from_pretrained_kwargs``).
     """
-    reads = _input_hook(module)
+    reads = _recorded_hook(module, _INPUT_HOOK_KEYS)
     if _tl_suffix(reads) not in CENTRED_HOOKS or not _layer_norm_family(adapter, root):
         return False
     centred = trained_centred(module)
@@ -792,5 +786,5 @@ def writes_centred(module: Any, adapter: Any, root: Any) -> bool:
 
     Source: TransformerLens ``weight_processing.py`` (``center_writing_weights``).
     """
-    return (_tl_suffix(_output_hook(module)) in CENTRED_HOOKS and trained_centred(module) is True
+    return (_tl_suffix(_recorded_hook(module, _OUTPUT_HOOK_KEYS)) in CENTRED_HOOKS and trained_centred(module) is True
             and _layer_norm_family(adapter, root))
