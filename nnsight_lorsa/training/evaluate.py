@@ -126,6 +126,13 @@ def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor, keep: torch.Tensor) -> f
     return float((lp.exp() * (lp - lq)).sum())
 
 
+def _fvu_target(target: torch.Tensor, centre: bool) -> torch.Tensor:
+    """``target`` in fp32, minus its per-token mean where the module was trained on TransformerLens's centred
+    residual (``hook_sites.writes_centred``)."""
+    target = target.float()
+    return target - target.mean(-1, keepdim=True) if centre else target
+
+
 class _SiteProbe:
     """One replaced site (a Lorsa's attention, a transcoder's MLP, an SAE's module): FVU and L0 from
     the spliced trace's features and output against the true value read in the original trace (``centre``: minus
@@ -158,12 +165,10 @@ class _SiteProbe:
         keep = _loss_mask(ids, mask)
         # the true value on the model's device, the module's output and features on the module's:
         # compared on the model's device in fp32 (the accumulators' own precision is fp64)
-        target = self.target[keep.to(self.target.device)]
-        if self.centre:
-            target = target - target.float().mean(-1, keepdim=True).to(target.dtype)
+        target = _fvu_target(self.target[keep.to(self.target.device)], self.centre)
         out = self.out[keep.to(self.out.device)].to(target.device)
         z = self.z[keep.to(self.z.device)]
-        self.acc.update(target.float(), out.float())
+        self.acc.update(target, out.float())
         self.shrinkage.update(target, out, z)
         active = z != 0  # fired: non-zero (an AbsTopK feature fires negative too; as feature_density)
         self.l0_sum += float(active.sum())
@@ -219,8 +224,7 @@ class _CLTProbe:
         acts = clt.encode(x)
         recon = clt.decode(acts, x)
         for layer, acc in enumerate(self.accs):
-            target = y[layer].float()
-            acc.update(target - target.mean(-1, keepdim=True) if self.centre else target, recon[layer].float())
+            acc.update(_fvu_target(y[layer], self.centre), recon[layer].float())
         active = acts != 0  # fired: non-zero (an AbsTopK feature fires negative too)
         self.l0_sum += active.sum((1, 2)).double().cpu()
         self.n_kept += x.shape[1]
