@@ -17,6 +17,9 @@ source hook                                        site          module path    
                                                                  ``mlp_post_norm_path(L)``
                                                                  (Gemma-2/3, OLMo-2)
 sparsify SAE ``layers.L.mlp``                      mlp_out       ``mlp_path(L)``             output
+``blocks.L.hook_attn_out``                         attn_out      ``attention_path(L)``, or   output
+                                                                 ``attention_post_norm_path(L)``
+                                                                 (Gemma-2/3, OLMo-2)
 ``blocks.L.hook_resid_mid``                        resid_mid     none (pre-norm residual)    —
 =================================================  ============  ==========================  ======
 
@@ -81,6 +84,7 @@ _TL_SITES = {
     "hook_mlp_out": ("mlp_out", "mlp", "output"),
     "mlp.hook_out": ("mlp_out", "mlp", "output"),
     "hook_resid_mid": ("resid_mid", "", "output"),
+    "hook_attn_out": ("attn_out", "attention", "output"),
 }
 
 
@@ -93,6 +97,14 @@ def _mlp_out_path(layer: int, adapter: Any, transformer_lens: bool) -> str:
     return str(post or adapter.mlp_path(layer))
 
 
+def _attn_out_path(layer: int, adapter: Any) -> str:
+    """The module whose output is TransformerLens's ``blocks.L.hook_attn_out``: the attention module's, or the
+    post-attention norm's where the family has one (Gemma-2/3, OLMo-2: "that which is added to the residual
+    stream", as ``hook_mlp_out``)."""
+    post_norm = getattr(adapter, "attention_post_norm_path", None)
+    return str((post_norm(layer) if post_norm is not None else None) or adapter.attention_path(layer))
+
+
 def _site(layer: int, site: str, where: str, io: str, adapter: Any, transformer_lens: bool = False) -> HookSite:
     path = None
     if adapter is not None and where:
@@ -100,6 +112,8 @@ def _site(layer: int, site: str, where: str, io: str, adapter: Any, transformer_
             path = adapter.layer_path(layer)
         elif site == "mlp_out":
             path = _mlp_out_path(layer, adapter, transformer_lens)
+        elif site == "attn_out":
+            path = _attn_out_path(layer, adapter)
         else:
             path = adapter.mlp_path(layer)
     return HookSite(layer, site, path, io)
@@ -175,6 +189,8 @@ def _output_path(site: dict[str, Any], adapter: Any) -> str:
                else getattr(adapter, "residual_start_path", adapter.embed_path))
     if site.get("io") == "output" and isinstance(layer, int) and site.get("site") == "mlp_out":
         return _mlp_out_path(layer, adapter, bool(site.get("transformer_lens", True)))
+    if site.get("io") == "output" and isinstance(layer, int) and site.get("site") == "attn_out":
+        return _attn_out_path(layer, adapter)
     if site.get("io") == "output" and site.get("module_path"):
         return str(site["module_path"])
     if site.get("io") == "output" and isinstance(layer, int) and site.get("site") == "resid_post":

@@ -27,11 +27,11 @@ from nnsight_lorsa.formats.hook_sites import sae_site_path, transformer_lens_hoo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: hooks whose tensor is a module output somewhere in every family: an SAESet places them
-SAE_HOOKS = ("hook_resid_pre", "hook_resid_post", "hook_mlp_out")
+SAE_HOOKS = ("hook_resid_pre", "hook_resid_post", "hook_mlp_out", "hook_attn_out")
 #: hooks that are a module's input (or no module boundary): an SAE there is refused by name
 INPUT_HOOKS = ("hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized", "mlp.hook_in")
 #: hooks the package has no site for
-UNMAPPED_HOOKS = ("hook_attn_out", "attn.hook_z", "mlp.hook_post", "hook_attn_in", "ln1.hook_normalized")
+UNMAPPED_HOOKS = ("attn.hook_z", "mlp.hook_post", "hook_attn_in", "ln1.hook_normalized")
 
 _MODELS: dict = {}
 
@@ -71,6 +71,9 @@ def reference_hook(hf, hook: str, layer: int, replace=None, seen=None):
         module = block
     elif hook == "hook_mlp_out":  # after Gemma-2/3's (and OLMo-2's) post-MLP norm: what is added to the residual
         module = getattr(block, "post_feedforward_layernorm", None) or block.mlp
+    elif hook == "hook_attn_out":  # after their post-attention norm (Llama's post_attention_layernorm is pre-MLP)
+        module = (block.post_attention_layernorm if hasattr(block, "post_feedforward_layernorm")
+                  else attention_of(block))
     else:
         raise AssertionError(hook)
 
@@ -106,6 +109,10 @@ def test_an_sae_placed_by_its_hook_name_reads_and_replaces_that_tensor(family, d
     ("gemma2", "hook_mlp_out", 1),  # after post_feedforward_layernorm (was: the MLP's raw output)
     ("gemma3", "hook_mlp_out", 0),
     ("olmo2", "hook_mlp_out", 1),
+    ("gemma2", "hook_attn_out", 1),  # after post_attention_layernorm (was: refused, no site mapping)
+    ("olmo2", "hook_attn_out", 0),
+    ("gpt2", "hook_attn_out", 1),  # the attention's output, c_proj's bias included
+    ("neox", "hook_attn_out", 0),  # a parallel residual: the attention's output all the same
 ])
 @pytest.mark.parametrize("dt", tuple(DTYPES))
 def test_the_sites_that_were_one_module_off(family, hook, layer, dt):
@@ -257,8 +264,10 @@ def transcoder_extra(source, layer, in_hook, out_hook):
     if source == "circuit_tracer":
         return {"circuit_tracer": {"feature_input_hook": in_hook, "feature_output_hook": out_hook}}
     if source == "llamascopium":
+        # not centred: a Llamascopium file of TransformerLens's centred residual on GPT-2 / NeoX reads x − mean(x)
+        # (tests/formats/test_centred_residual.py); here the sites alone, as in a file this package wrote
         return {"llamascopium": {"hook_point_in": f"blocks.{layer}.{in_hook}",
-                                 "hook_point_out": f"blocks.{layer}.{out_hook}"}}
+                                 "hook_point_out": f"blocks.{layer}.{out_hook}", "center_writing_weights": False}}
     return {"saelens": {"hook_name": f"blocks.{layer}.{in_hook}", "hook_name_out": f"blocks.{layer}.{out_hook}"}}
 
 
