@@ -18,13 +18,14 @@ site's output); the SAE is mounted as ``<site>.sae``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
 import torch
 
-from ..errors import ConfigMismatchError, ShapeError
-from ..formats.hook_sites import centre_residual_input_
+from ..errors import ConfigMismatchError, ShapeError, UnsupportedArchitectureError
+from ..formats.hook_sites import centre_residual_input_, sae_site_path
 from ..modules.sae import SparseAutoencoder
 from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, load_keyed
@@ -98,7 +99,10 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
 
         Raises:
             ConfigMismatchError: a key that is not a module path of the model, or an SAE whose ``d_in`` is not the
-                site's known width.
+                site's known width; an SAE whose file records a tensor that no module output carries (a module's
+                input: ``hook_resid_mid``, ``hook_mlp_in``, ``attn.hook_z``; one head's slice), at any key — it
+                would reconstruct another tensor there. A key other than the recorded site (an SAE moved to
+                another layer on purpose) is placed as given.
             CheckpointError: a SAELens SAE on such a hook whose file does not say which residual it was trained on.
             UnsupportedArchitectureError: such an SAE rescaling each input by its norm (``constant_norm_rescale``).
 
@@ -113,6 +117,10 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         width = self.known_width(key)
         if width is not None and module.cfg.d_in != width:
             raise ConfigMismatchError(f"SAE for {key} has d_in={module.cfg.d_in}; that site's output has width {width}")
+        # a file whose hook is a module's input (hook_resid_mid, attn.hook_z, …): no site carries its tensor, refused;
+        # a hook name without a site mapping (mlp.hook_post, …) or another module's output: the key given places it
+        with contextlib.suppress(UnsupportedArchitectureError):
+            sae_site_path(module, self.adapter)
         centre_residual_input_(module, self.adapter, hf_module(self.model))
         return key
 
@@ -191,7 +199,6 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         Source: nnsight 0.8 ``docs/patterns/sae-and-auxiliary-modules.md`` (an SAE spliced into a trace).
         """
         from ..adapters.registry import get_adapter
-        from ..formats.hook_sites import sae_site_path
 
         adapter = get_adapter(model) if adapter is None else adapter
         out = cls(model, {}, adapter)

@@ -55,8 +55,8 @@ __all__ = ["ATTENTION_NORMALIZED_HOOK", "ATTENTION_OUTPUT_HOOK", "ATTENTION_SITE
            "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "CENTRED_HOOKS", "HookSite", "MLPSiteIO", "centre_residual_input_",
            "attention_norm_unfolded", "check_lorsa_hooks", "check_mlp_hooks",
            "fold_attention_norm_", "has_resid_mid", "hook_record", "lorsa_reads_attention_input", "mlp_site_io",
-           "rms_normalized", "sae_site_path", "site_record", "sparsify_hookpoint_site", "transcoder_layer",
-           "trained_centred", "transformer_lens_hook_site", "writes_centred"]
+           "rms_normalized", "sae_site_path", "site_record", "sparsify_hookpoint_site",
+           "transcoder_layer", "trained_centred", "transformer_lens_hook_site", "writes_centred"]
 
 
 @dataclass(frozen=True)
@@ -195,8 +195,15 @@ def _output_path(site: dict[str, Any], adapter: Any) -> str:
         return str(site["module_path"])
     if site.get("io") == "output" and isinstance(layer, int) and site.get("site") == "resid_post":
         return str(adapter.layer_path(layer))
-    raise ConfigMismatchError(f"the SAE reads site {site.get('site')!r} of layer {layer} (a module input); an "
-                              "SAESet replaces module outputs: pass {site_path: checkpoint} explicitly")
+    raise ConfigMismatchError(f"the SAE reads site {site.get('site')!r} of layer {layer}, a module's input that no "
+                              "module output of this model carries; an SAESet replaces module outputs, so it cannot "
+                              "run this SAE where it was trained (at another site it would reconstruct another "
+                              "tensor)")
+
+
+#: TransformerLens hooks that are a module's input with no module output carrying them (``attn.hook_z``: the
+#: concatenated per-head values, the output projection's input)
+_MODULE_INPUT_ONLY_HOOKS = ("attn.hook_z",)
 
 
 def sae_site_path(module: Any, adapter: Any) -> str | None:
@@ -212,7 +219,14 @@ def sae_site_path(module: Any, adapter: Any) -> str | None:
     if isinstance(saelens, dict) and saelens.get("hook_head_index") is not None:
         raise ConfigMismatchError(
             f"the SAE reads head {saelens['hook_head_index']!r} of hook {saelens.get('hook_name')!r} (SAELens "
-            "metadata.hook_head_index), no module output of ours: pass {site_path: checkpoint} explicitly")
+            "metadata.hook_head_index), a slice of a tensor that no module output of this model carries; an SAESet "
+            "cannot run it where it was trained")
+    named = _recorded_hook(module, _OUTPUT_HOOK_KEYS) or getattr(module.cfg, "hook", None)
+    if _tl_suffix(named) in _MODULE_INPUT_ONLY_HOOKS:
+        raise ConfigMismatchError(
+            f"the SAE reads {named!r}, the per-head values that the attention's output projection reads (its input, "
+            "no module output of this model); an SAESet replaces module outputs, so it cannot run this SAE where "
+            "it was trained")
     records = _site_records(module)
     if records:
         return _output_path(records[0], adapter)

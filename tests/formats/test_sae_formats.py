@@ -262,8 +262,9 @@ def test_hook_sites() -> None:
     assert transformer_lens_hook_site("blocks.3.ln2.hook_normalized", ADAPTER).module_path == "model.layers.3.mlp"
     assert transformer_lens_hook_site("blocks.3.hook_mlp_in").site == "mlp_in"
     assert transformer_lens_hook_site("blocks.2.hook_resid_pre", ADAPTER).io == "input"
-    with pytest.raises(UnsupportedArchitectureError, match="hook_attn_out"):
-        transformer_lens_hook_site("blocks.3.hook_attn_out")
+    assert transformer_lens_hook_site("blocks.3.hook_attn_out").site == "attn_out"
+    with pytest.raises(UnsupportedArchitectureError, match="hook_z"):
+        transformer_lens_hook_site("blocks.3.attn.hook_z")
     assert sparsify_hookpoint_site("layers.3.mlp", transcode=True, adapter=ADAPTER).io == "input"
     assert sparsify_hookpoint_site("layers.3.mlp", transcode=False).site == "mlp_out"
     assert sparsify_hookpoint_site("layers.5", transcode=False, adapter=ADAPTER).module_path == "model.layers.5"
