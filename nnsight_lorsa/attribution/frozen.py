@@ -129,6 +129,17 @@ def frozen_norm(
     return w * (_upcast(x) * scale).to(x.dtype)
 
 
+def normalized_input(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``norm``'s input normalised before its gain and bias with the scale frozen (:func:`norm_scale`): ``x · scale``
+    (an RMSNorm's ``x / rms(x)``) or ``(x − mean x) · scale`` (a LayerNorm's ``(x − mean x) / σ(x)``), in fp32 or
+    wider — linear in ``x``; at the prompt's own ``x`` TransformerLens's ``ln2.hook_normalized``
+    (:meth:`~nnsight_lorsa.formats.hook_sites.MLPSiteIO.read`)."""
+    x = _upcast(x)
+    if _is_layer_norm(norm):
+        x = x - x.mean(-1, keepdim=True)
+    return x * scale.to(x.device)
+
+
 def keeps_pattern(w: MHSAWeights, store_patterns: bool) -> bool:
     """Whether the frozen pass keeps a frozen MHSA's pattern (:func:`~nnsight_lorsa.adapters.base.mhsa_pattern`,
     ``(1, n_heads, pos, pos)``, once per prompt) rather than its queries and keys for SDPA: where patterns are stored

@@ -48,6 +48,7 @@ from .frozen import (
     frozen_norm,
     keeps_pattern,
     norm_scale,
+    normalized_input,
     per_position,
     scaled,
     streamed_linear,
@@ -251,20 +252,20 @@ class FrozenReplacement:
         ``mlp_post_norm``; ``layer=None``: the final norm).
 
         Where the layer's transcoder reads the pre-MLP norm's input (:attr:`.layout.LayerLayout.tc_reads`
-        ``"norm_input"``: ``hook_resid_mid``; ``"normalized"``: ``ln2.hook_normalized``, ``x / rms(x)`` before the
-        gain) the ``mlp_norm`` site keeps that input (``x``, or ``x`` times the frozen scale, fp32 or wider) for the
-        MLP site; where it writes the post-MLP norm's output (``tc_writes`` ``"post_norm"``: Gemma-2/3
-        ``hook_mlp_out``) the ``mlp_post_norm`` site returns the transcoder's writes (:meth:`mlp`) instead of the
-        frozen norm."""
+        ``"norm_input"``: ``hook_resid_mid``; ``"normalized"``: ``ln2.hook_normalized``, ``x / rms(x)`` — a
+        LayerNorm's ``(x − mean x) / σ(x)`` — before the gain) the ``mlp_norm`` site keeps that input (``x``, or
+        :func:`.frozen.normalized_input`, fp32 or wider) for the MLP site; where it writes the post-MLP norm's
+        output (``tc_writes`` ``"post_norm"``: Gemma-2/3 ``hook_mlp_out``)
+        the ``mlp_post_norm`` site returns the transcoder's writes (:meth:`mlp`) instead of the frozen norm."""
         lay = None if layer is None else self.layout.layers[layer]
         if lay is not None and role == "mlp_post_norm" and lay.transcoder is not None and lay.tc_writes == "post_norm":
             return self.post_norm_writes(module, x, layer)  # type: ignore[arg-type]
         bias = self.layout.bias if lay is None else lay.bias
         scale = self.const(f"L{layer}.{role}.scale", lambda: norm_scale(module, x[:1]))
         if lay is not None and role == "mlp_norm" and lay.transcoder is not None and lay.tc_reads != "mlp":
-            # what the transcoder reads, linear in x: the residual itself, or x / rms(x) with the frozen scale
-            self._reads[lay.layer] = x if lay.tc_reads == "norm_input" else (
-                x.to(torch.promote_types(x.dtype, torch.float32)) * scale.to(x.device))
+            # what the transcoder reads, linear in x: the residual itself, or x / rms(x) — a LayerNorm's
+            # (x − mean x) / σ(x) — with the frozen scale
+            self._reads[lay.layer] = x if lay.tc_reads == "norm_input" else normalized_input(module, x, scale)
         mult = column(self.mult(x.device), bias.get("final_norm" if layer is None else role))
         out = frozen_norm(module, x, scale, mult)
         return out.to(x.dtype)
@@ -554,8 +555,8 @@ def site_kinds(io: MLPSiteIO, adapter: ArchitectureAdapter, layer: int) -> tuple
     """``(reads, writes)`` of a transcoder / CLT layer at ``layer`` whose circuit-tracer hooks map to ``io``
     (:func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`), in the frozen pass's terms: reads ``"mlp"`` (the MLP's
     input), ``"norm_input"`` (the pre-MLP norm's input, ``hook_resid_mid``) or ``"normalized"`` (its ``x / rms(x)``
-    before the gain, ``ln2.hook_normalized`` on an RMSNorm with a gain); writes ``"mlp"`` (the MLP's output) or
-    ``"post_norm"`` (the post-MLP norm's output, ``hook_mlp_out`` on Gemma-2/3).
+    or a LayerNorm's ``(x − mean x) / σ(x)`` before the gain, ``ln2.hook_normalized`` on a norm with a gain); writes
+    ``"mlp"`` (the MLP's output) or ``"post_norm"`` (the post-MLP norm's output, ``hook_mlp_out`` on Gemma-2/3).
 
     Raises:
         UnsupportedArchitectureError: any other input or output module (naming the layer and both paths).
@@ -564,7 +565,7 @@ def site_kinds(io: MLPSiteIO, adapter: ArchitectureAdapter, layer: int) -> tuple
     reads = {(mlp, False): "mlp", (norm, False): "norm_input", (norm, True): "normalized"}.get(
         (io.input_path, io.eps is not None))
     writes = {mlp: "mlp", **({post: "post_norm"} if post else {})}.get(io.output_path)
-    where = (f"the transcoder at layer {layer} reads {'x / rms(x) of ' if io.eps is not None else ''}the input of "
+    where = (f"the transcoder at layer {layer} reads {'the normalised ' if io.eps is not None else 'the '}input of "
              f"{io.input_path!r} and writes the output of {io.output_path!r}")
     if reads == "norm_input" and not has_resid_mid(adapter):
         raise UnsupportedArchitectureError(

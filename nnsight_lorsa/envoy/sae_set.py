@@ -18,14 +18,13 @@ site's output); the SAE is mounted as ``<site>.sae``.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from typing import Any
 
 import torch
 
-from ..errors import ConfigMismatchError, ShapeError, UnsupportedArchitectureError
-from ..formats.hook_sites import centre_residual_input_, sae_site_path
+from ..errors import ConfigMismatchError, ShapeError
+from ..formats.hook_sites import centre_residual_input_, check_sae_record, sae_site_path
 from ..modules.sae import SparseAutoencoder
 from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, load_keyed
@@ -117,10 +116,7 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         width = self.known_width(key)
         if width is not None and module.cfg.d_in != width:
             raise ConfigMismatchError(f"SAE for {key} has d_in={module.cfg.d_in}; that site's output has width {width}")
-        # a file whose hook is a module's input (hook_resid_mid, attn.hook_z, …): no site carries its tensor, refused;
-        # a hook name without a site mapping (mlp.hook_post, …) or another module's output: the key given places it
-        with contextlib.suppress(UnsupportedArchitectureError):
-            sae_site_path(module, self.adapter)
+        check_sae_record(module, self.adapter)
         centre_residual_input_(module, self.adapter, hf_module(self.model))
         return key
 

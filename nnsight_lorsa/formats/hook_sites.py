@@ -25,8 +25,9 @@ sparsify SAE ``layers.L.mlp``                      mlp_out       ``mlp_path(L)``
 
 Transcoder / CLT files (circuit-tracer's hooks, or a SAELens / llamascopium / sparsify file's hook names:
 :func:`hook_record`) are stricter: :func:`check_mlp_hooks` accepts ``ln2.hook_normalized`` where
-the pre-MLP norm has gain 1 and no bias (it is then the MLP input) or is an RMSNorm (``x / rms(x)`` is computed from
-the norm's input, as the norm does: GemmaScope on Gemma-2), ``hook_mlp_out`` everywhere (the MLP output; on
+the pre-MLP norm has gain 1 and no bias (it is then the MLP input) or is an RMSNorm or a LayerNorm (``x / rms(x)``,
+``(x − mean x) / σ(x)``, computed from the norm's input as the norm does: GemmaScope on Gemma-2, GPT-2 transcoders),
+``hook_mlp_out`` everywhere (the MLP output; on
 Gemma-2/3 ``post_feedforward_layernorm``'s output), and ``hook_resid_mid`` (the residual before the pre-MLP norm)
 where the family has one; :func:`mlp_site_io` says which module's call the sets then read and which output they
 replace.
@@ -53,16 +54,18 @@ from .validate import refuse
 
 __all__ = ["ATTENTION_NORMALIZED_HOOK", "ATTENTION_OUTPUT_HOOK", "ATTENTION_SITE", "MLP_INPUT_HOOKS", "MLP_IN_HOOK",
            "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "CENTRED_HOOKS", "HookSite", "MLPSiteIO", "centre_residual_input_",
-           "attention_norm_unfolded", "check_lorsa_hooks", "check_mlp_hooks",
+           "attention_norm_unfolded", "check_lorsa_hooks", "check_mlp_hooks", "check_sae_record",
            "fold_attention_norm_", "has_resid_mid", "hook_record", "lorsa_reads_attention_input", "mlp_site_io",
-           "rms_normalized", "sae_site_path", "site_record", "sparsify_hookpoint_site",
+           "layer_normalized", "rms_normalized", "sae_site_path", "site_record", "sparsify_hookpoint_site",
            "transcoder_layer", "trained_centred", "transformer_lens_hook_site", "writes_centred"]
 
 
-@dataclass(frozen=True)
-class HookSite:
+@dataclass(frozen=True, repr=False)
+class HookSite(FieldsRepr):
     """Where a hook lives: ``layer``, ``site`` name, our ``module_path`` (None without an adapter or
-    where no module boundary matches) and whether it is that module's ``"input"`` or ``"output"``."""
+    where no module boundary matches) and whether it is that module's ``"input"`` or ``"output"``. Shipped by value
+    where a set checks an SAE's record on a server (``repr=False``: a dataclass's generated ``__repr__`` names
+    ``_thread``, outside NDIF's unpickling whitelist)."""
 
     layer: int
     site: str
@@ -240,6 +243,21 @@ def sae_site_path(module: Any, adapter: Any) -> str | None:
     return hook
 
 
+def check_sae_record(module: Any, adapter: Any) -> None:
+    """Refuse an SAE whose file records a tensor that no module output carries — a module's input
+    (``hook_resid_mid``, ``hook_mlp_in``, ``attn.hook_z``, …) or one head's slice — wherever a set is asked to put
+    it: at any module output it would reconstruct another tensor. A hook name without a site mapping
+    (``mlp.hook_post``, …) and a recorded site other than the key (an SAE moved on purpose) pass.
+
+    Raises:
+        ConfigMismatchError: as :func:`sae_site_path`.
+    """
+    try:
+        sae_site_path(module, adapter)
+    except UnsupportedArchitectureError:
+        return  # no mapping for its hook name: the key the caller gives says where it runs
+
+
 def transcoder_layer(module: Any) -> int | None:
     """The layer whose MLP a loaded transcoder replaces (``cfg.layer``, else the file's site record)."""
     layer = getattr(module.cfg, "layer", None)
@@ -261,7 +279,8 @@ MLP_INPUT_HOOKS = ("mlp.hook_in",)
 MLP_OUTPUT_HOOKS = ("mlp.hook_out",)
 #: ``ln2.hook_normalized`` (the pre-MLP norm's ``x / rms`` or ``(x − mean) / std``, before its gain and bias) is the
 #: MLP input where that norm's gain is all ones and its bias zero, else computed from the norm's input where the norm
-#: is an RMSNorm (:func:`rms_normalized`); ``hook_mlp_out`` is the MLP output in a family without post-norms, and
+#: is an RMSNorm or a LayerNorm (:func:`rms_normalized`, :func:`layer_normalized`);
+#: ``hook_mlp_out`` is the MLP output in a family without post-norms, and
 #: ``post_feedforward_layernorm``'s output on Gemma-2/3 (:func:`mlp_site_io`). Every other hook (``hook_resid_pre`` /
 #: ``hook_resid_post``; anything unknown) is not our MLP site; ``hook_resid_mid`` is the pre-MLP norm's input.
 NORMALIZED_HOOK = "ln2.hook_normalized"
@@ -328,13 +347,26 @@ def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def _rms_eps(norm: Any) -> float | None:
-    """The eps of an RMSNorm module (transformers' ``*RMSNorm``: ``variance_epsilon`` or ``eps``), None for any
-    other norm (LayerNorm: its normalised input is not ``x / rms(x)``)."""
+def layer_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x − mean x) / σ(x)`` before any gain and bias, as a LayerNorm computes it (``σ² = mean((x − mean x)²) +
+    eps``, the biased variance; ``torch.nn.functional.layer_norm`` without weights), in fp32 (fp64 kept); ``x``'s
+    shape and device. TransformerLens's ``ln2.hook_normalized`` on a LayerNorm model (``LayerNormPre`` after
+    ``fold_ln``, or ``LayerNorm`` before its ``w``/``b``) is this tensor."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    xc = x - x.mean(-1, keepdim=True)
+    return xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _normalizing(norm: Any) -> tuple[float, bool] | None:
+    """``(eps, centre)`` of a norm whose input before the gain :class:`MLPSiteIO` can compute: an RMSNorm
+    (transformers' ``*RMSNorm``: ``variance_epsilon`` or ``eps``; ``centre`` False, :func:`rms_normalized`) or a
+    LayerNorm (``torch.nn.LayerNorm``; ``centre`` True, :func:`layer_normalized`); None for any other."""
+    if isinstance(norm, torch.nn.LayerNorm):
+        return float(norm.eps), True
     if "RMSNorm" not in type(norm).__name__ or getattr(norm, "bias", None) is not None:
         return None
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    return None if eps is None else float(eps)
+    return None if eps is None else (float(eps), False)
 
 
 @dataclass(frozen=True, repr=False)
@@ -348,18 +380,24 @@ class MLPSiteIO(FieldsRepr):
             pre-MLP norm (``hook_resid_mid``; ``ln2.hook_normalized`` computed from the norm's input).
         output_path: the module whose output it replaces: the MLP, or Gemma-2/3's ``post_feedforward_layernorm``
             (``hook_mlp_out`` in a family with post-norms).
-        eps: the RMSNorm eps when the input is that argument's ``x / rms(x)`` before the gain
-            (:func:`rms_normalized`; ``ln2.hook_normalized`` where the gain is not 1); None: the argument itself.
+        eps: the norm's eps when the input is that argument normalised before the gain (``ln2.hook_normalized``
+            where the gain is not 1): ``x / rms(x)`` (:func:`rms_normalized`) or, with ``centre``, ``(x − mean x) /
+            σ(x)`` (:func:`layer_normalized`); None: the argument itself.
+        centre: whether that normalisation is a LayerNorm's (mean subtracted first).
     """
 
     input_path: str
     output_path: str
     eps: float | None = None
+    centre: bool = False
 
     def read(self, x: torch.Tensor) -> torch.Tensor:
-        """The module's input from ``x``, the first argument of ``input_path``'s call: ``x``, or
-        :func:`rms_normalized` (fp32) when ``eps`` is set."""
-        return x if self.eps is None else rms_normalized(x, self.eps)
+        """The module's input from ``x``, the first argument of ``input_path``'s call: ``x``, or its normalisation
+        before the gain (fp32) when ``eps`` is set: :func:`layer_normalized` with ``centre``, else
+        :func:`rms_normalized`."""
+        if self.eps is None:
+            return x
+        return layer_normalized(x, self.eps) if self.centre else rms_normalized(x, self.eps)
 
     def is_mlp_call(self, adapter: Any, layer: int) -> bool:
         """Whether this is the MLP module's own call (``adapter.mlp_path(layer)`` in and out, nothing computed)."""
@@ -378,33 +416,38 @@ def mlp_site_io(module: Any, adapter: Any, root: Any, layer: int) -> MLPSiteIO:
     - input: ``hook_resid_mid`` and ``hook_mlp_in`` → the pre-MLP norm's input (under a parallel residual, where
       ``hook_mlp_in`` is the layer's input, too); ``ln2.hook_normalized`` → the MLP's input where the
       norm's gain is 1, else (an RMSNorm, e.g. GemmaScope on Gemma-2's ``1 + weight`` gain) ``x / rms(x)`` of the
-      norm's input, computed as the norm computes it (:func:`rms_normalized`); otherwise the MLP's input;
+      norm's input, computed as the norm computes it (:func:`rms_normalized`), or (a LayerNorm: GPT-2, GPT-NeoX)
+      its ``(x − mean x) / σ(x)`` (:func:`layer_normalized`); otherwise the MLP's input;
     - output: ``hook_mlp_out`` in a family with post-norms (Gemma-2/3) → ``post_feedforward_layernorm``'s output
       (``adapter.mlp_post_norm_path``); otherwise the MLP's output.
 
     ``root``: the model's torch module (the Hugging Face model) the adapter's paths address.
 
     Raises:
-        UnsupportedArchitectureError: ``ln2.hook_normalized`` on a norm with a gain that is no RMSNorm.
+        UnsupportedArchitectureError: ``ln2.hook_normalized`` on a norm with a gain that is neither an RMSNorm nor a
+            LayerNorm.
     """
     record = hook_record(module)
     mlp = adapter.mlp_path(layer)
-    inp, eps = mlp, None
+    inp, eps, centre = mlp, None, False
     hook = record.get("feature_input_hook")
     if hook in (RESID_MID_HOOK, MLP_IN_HOOK):  # the pre-MLP norm's input; the MLP's own without one (OLMo-2)
         inp = adapter.mlp_norm_path(layer) or mlp
     elif hook == NORMALIZED_HOOK and adapter.mlp_norm_path(layer) is None:  # check_mlp_hooks refuses it first
         raise UnsupportedArchitectureError(f"{adapter.family}: ln2.hook_normalized at layer {layer}: {NO_PRE_NORM}")
     elif hook == NORMALIZED_HOOK and not _norm_is_identity(root, adapter, layer):
-        inp, eps = adapter.mlp_norm_path(layer), _rms_eps(root.get_submodule(adapter.mlp_norm_path(layer)))
-        if eps is None:  # check_mlp_hooks refuses it first; never read the norm's raw input in its place
+        inp = adapter.mlp_norm_path(layer)
+        norm = _normalizing(root.get_submodule(inp))
+        if norm is None:  # check_mlp_hooks refuses it first; never read the norm's raw input in its place
             raise UnsupportedArchitectureError(
-                f"{adapter.family}: ln2.hook_normalized at layer {layer}: {inp!r} has a gain and is no RMSNorm, so its "
-                "input before the gain cannot be computed (docs/formats.md, circuit-tracer hooks)")
+                f"{adapter.family}: ln2.hook_normalized at layer {layer}: {inp!r} has a gain and is neither an RMSNorm "
+                "nor a LayerNorm, so its input before the gain cannot be computed (docs/formats.md, circuit-tracer "
+                "hooks)")
+        eps, centre = norm
     out = mlp
     if record.get("feature_output_hook") == POST_NORM_OUTPUT_HOOK and adapter.mlp_post_norm_path(layer) is not None:
         out = adapter.mlp_post_norm_path(layer)
-    return MLPSiteIO(inp, out, eps)
+    return MLPSiteIO(inp, out, eps, centre)
 
 
 def _norm_is_identity(root: Any, adapter: Any, layer: int) -> bool | None:
@@ -429,12 +472,13 @@ def _hook_problem(key: str, hook: Any, root: Any, adapter: Any, layer: int) -> s
             if adapter.mlp_norm_path(layer) is None:
                 return NO_PRE_NORM
             same = _norm_is_identity(root, adapter, layer)
-            if same or _rms_eps(root.get_submodule(adapter.mlp_norm_path(layer))) is not None:
-                return None  # the MLP input, or x / rms(x) computed from the RMSNorm's input (mlp_site_io)
+            if same or _normalizing(root.get_submodule(adapter.mlp_norm_path(layer))) is not None:
+                return None  # the MLP input, or the norm's input normalised before its gain (mlp_site_io)
             return ("its pre-MLP norm's weights are not loaded yet, so whether its gain is 1 cannot be checked "
                     "(build the set after the model's weights load)" if same is None else
-                    f"{adapter.mlp_norm_path(layer)!r} has a gain ≠ 1 (or a bias) and is no RMSNorm: the MLP reads "
-                    "the norm's output with its gain, ln2.hook_normalized is the normalised residual before it")
+                    f"{adapter.mlp_norm_path(layer)!r} has a gain ≠ 1 (or a bias) and is neither an RMSNorm nor a "
+                    "LayerNorm: the MLP reads the norm's output with its gain, ln2.hook_normalized is the normalised "
+                    "residual before it")
         if hook == MLP_IN_HOOK:
             return None  # read at the pre-MLP norm's input (the layer's input under a parallel residual): input_path
         if hook == RESID_MID_HOOK:
@@ -460,8 +504,9 @@ def check_mlp_hooks(module: Any, adapter: Any, root: Any, layers: Iterable[int])
     ``feature_output_hook``, kept by the loader in ``cfg.extra["circuit_tracer"]``; source: circuit-tracer
     ``utils/tl_nnsight_mapping.py``, ``replacement_model_transformerlens.py``). Accepted: input
     :data:`MLP_INPUT_HOOKS`; ``ln2.hook_normalized`` where that layer's norm has gain 1 and no bias (read from
-    the loaded weights: ``norm_gain``) or is an RMSNorm (its ``x / rms(x)`` before the gain is computed from the
-    norm's input: GemmaScope on Gemma-2); ``hook_resid_mid`` (circuit-tracer's default: GPT-2 / Llama / Gemma-3
+    the loaded weights: ``norm_gain``) or is an RMSNorm or a LayerNorm (its ``x / rms(x)`` / ``(x − mean x) / σ(x)``
+    before the gain and bias is computed from the norm's input: GemmaScope on Gemma-2, transcoders of GPT-2);
+    ``hook_resid_mid`` (circuit-tracer's default: GPT-2 / Llama / Gemma-3
     transcoders; the residual BEFORE the norm) where the family has one (:func:`has_resid_mid`); output
     :data:`MLP_OUTPUT_HOOKS` and ``hook_mlp_out`` (on Gemma-2/3 the output of ``post_feedforward_layernorm``, which
     the sets then replace). :func:`mlp_site_io` says where the sets read and write. The record is

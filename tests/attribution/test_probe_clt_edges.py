@@ -206,8 +206,6 @@ def test_clt_edges_equal_the_jacobian_of_a_frozen_model_built_by_hand(family, n_
     model, hf = tiny_nnsight(family)
     ids = random_ids(1, seq, seed=seed)[0]
     clt = build_clt(n_layers, kind, skip, seed)
-    if family == "gpt2" and reads == "normalized":
-        reads = "resid_mid"  # ln2.hook_normalized on a LayerNorm with a gain is refused by name (hook_sites)
     if reads != "mlp":  # a circuit-tracer file's hooks (docs/attribution.md, "Transcoders off the MLP call")
         clt.cfg.extra["circuit_tracer"] = {
             "feature_input_hook": {"resid_mid": "hook_resid_mid", "normalized": "ln2.hook_normalized"}[reads],

@@ -26,7 +26,7 @@ from helpers import (
 from nnsight_lorsa import CLTSet, TranscoderSet, get_adapter
 from nnsight_lorsa.adapters.base import norm_gain
 from nnsight_lorsa.attribution import attribute, cache_for_attribution
-from nnsight_lorsa.attribution.graph import EMBEDDING, TRANSCODER
+from nnsight_lorsa.attribution.graph import EMBEDDING, TRANSCODER, Graph
 from nnsight_lorsa.errors import UnsupportedArchitectureError
 
 LAYERS = (0, 2)
@@ -35,7 +35,8 @@ CASES = [("llama", NORMALIZED, "mlp.hook_out"), ("llama", RESID_MID, "mlp.hook_o
          ("gpt2", RESID_MID, "hook_mlp_out"), ("gemma2", NORMALIZED, "hook_mlp_out"),
          ("gemma2", RESID_MID, "hook_mlp_out"),
          ("gemma3", RESID_MID, "hook_mlp_out"), ("gemma3", NORMALIZED, "hook_mlp_out"),
-         ("olmo2", RESID_MID, "hook_mlp_out")]
+         ("olmo2", RESID_MID, "hook_mlp_out"), ("gpt2", NORMALIZED, "hook_mlp_out"),
+         ("neox", NORMALIZED, "mlp.hook_out")]
 
 
 def _transcoders(model: Any, kind: str, hooks: tuple[str, str]) -> Any:
@@ -134,6 +135,45 @@ def test_normalized_transcoder_graph_equals_the_mlp_call_transcoder_with_the_gai
     assert scale > 0 and (g.densify() - h.densify()).abs().max() < 1e-5 * scale
     u = attribute(rm(model, None, TranscoderSet(model, unfolded)), ids, batch_size=40)
     assert not (torch.equal(u.nodes.index, g.nodes.index) and torch.allclose(u.densify(), g.densify(), atol=1e-3))
+
+
+def test_layer_norm_normalized_transcoder_graph_equals_the_mlp_call_transcoder_with_gain_and_bias_folded_in() -> None:
+    """GPT-2: an ``ln2.hook_normalized`` transcoder reads ``x̂ = (x − mean x) / σ(x)`` before ``ln_2``'s gain ``g`` and
+    bias ``b``; the MLP-call transcoder with ``W_enc / g`` and ``b_enc − (b / g) W_enc`` (``W_skip / g`` and its
+    ``b / g`` term in ``b_dec``) reads ``g ⊙ x̂ + b`` and computes the same features: the same nodes, the same
+    edges from every node but the bias nodes (``ln_2``'s bias reaches the folded encoder, ``b_enc`` differs), whose
+    edges into each node sum to the same value."""
+    model, hf = tiny_nnsight("gpt2")
+    adapter = get_adapter(model)
+    ids = random_ids(1, 8, seed=2)[0]
+    normalized, folded = {}, {}
+    for layer, skip, seed in ((0, False, 3), (2, True, 4)):
+        norm = hf.get_submodule(adapter.mlp_norm_path(layer))
+        gain, bias = norm.weight.detach().double(), norm.bias.detach().double()
+        assert (gain - 1).abs().max() > 0.05 and bias.abs().max() > 0.01  # a gain and a bias that matter
+        normalized[layer] = circuit_tracer_hooked(make_transcoder(skip=skip, seed=seed), NORMALIZED, "hook_mlp_out")
+        f = make_transcoder(skip=skip, seed=seed)
+        with torch.no_grad():
+            w = f.W_enc.double()
+            f.b_enc.copy_((f.b_enc.double() - (bias / gain) @ w).float())
+            f.W_enc.copy_((w / gain[:, None]).float())
+            if skip:
+                s = f.W_skip.double()  # (d_out, d_in): skip(x) = x @ W_skip.T
+                f.b_dec.copy_((f.b_dec.double() - (bias / gain) @ s.T).float())
+                f.W_skip.copy_((s / gain[None, :]).float())
+        folded[layer] = circuit_tracer_hooked(f, "mlp.hook_in", "hook_mlp_out")
+    g = attribute(rm(model, None, TranscoderSet(model, normalized)), ids, batch_size=40)
+    h = attribute(rm(model, None, TranscoderSet(model, folded)), ids, batch_size=40)
+    assert torch.equal(g.nodes.kind, h.nodes.kind) and torch.equal(g.nodes.pos, h.nodes.pos)
+    assert torch.equal(g.nodes.index, h.nodes.index) and torch.equal(g.nodes.layer, h.nodes.layer)
+    a, b = g.densify(), h.densify()
+    bias = g.ids_of(Graph.BIAS)
+    other = torch.ones(a.shape[1], dtype=torch.bool)
+    other[bias] = False
+    scale = float(a.abs().max())
+    assert scale > 0 and (a[:, other] - b[:, other]).abs().max() < 1e-5 * scale
+    assert (a[:, bias].sum(1) - b[:, bias].sum(1)).abs().max() < 1e-5 * scale
+    assert g.edge_sum_error("mass").max() < 1e-5
 
 
 # ------------------------------------------------------------------ an independent frozen model, by hand

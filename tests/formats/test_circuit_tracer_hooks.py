@@ -194,11 +194,10 @@ def test_hook_resid_mid_attribution_and_evaluate_read_resid_mid() -> None:
 
 @pytest.mark.parametrize("family", PRE_NORM_FAMILIES)
 def test_ln2_hook_normalized_before_the_gain(family: str, tmp_path: Path) -> None:
-    """``ln2.hook_normalized`` is the pre-MLP norm BEFORE its gain (and bias). On an RMSNorm (Llama, Gemma-2) with a
-    gain it is computed from the norm's input (``x / rms(x)``, as the norm computes it): the reconstruction equals the
-    transcoder applied to that by hand. On a LayerNorm (GPT-2, GPT-NeoX) with a gain it is refused, naming the norm;
-    with unit norms it is the MLP input in every family. Weights not loaded yet: refused on a LayerNorm (the gain
-    cannot be checked), computed on an RMSNorm (no gain needed)."""
+    """``ln2.hook_normalized`` is the pre-MLP norm BEFORE its gain (and bias). With a gain it is computed from the
+    norm's input as the norm computes it — an RMSNorm's ``x / rms(x)`` (Llama, Gemma-2), a LayerNorm's ``(x − mean x)
+    / σ(x)`` (GPT-2, GPT-NeoX; until 2026-11-29 refused) —: the reconstruction equals the transcoder applied to that
+    by hand; with unit norms it is the MLP input in every family. Weights not loaded yet: computed (no gain needed)."""
     model, hf = tiny_nnsight(family)
     adapter = get_adapter(model)
     output = "mlp.hook_out" if family == "gemma2" else "hook_mlp_out"
@@ -206,29 +205,23 @@ def test_ln2_hook_normalized_before_the_gain(family: str, tmp_path: Path) -> Non
     norm = adapter.mlp_norm_path(LAYER)
     rms = "RMSNorm" in type(hf.get_submodule(norm)).__name__
     assert rms == (family in ("llama", "gemma2", "phi3", "gemma"))
-    if rms:
-        tcs = TranscoderSet(model, {LAYER: load(tc_dir)[LAYER]})
-        CLTSet.from_pretrained(model, clt_dir)
-        assert tcs.site(LAYER).site_paths == (adapter.mlp_path(LAYER),)
-        ids = random_ids()
-        with model.trace(ids):
-            site = tcs.replace(LAYER)
-            mid = _norm_input(model, adapter, LAYER)
-            recons = site.hook_sae_recons.output.save()
-        m = hf.get_submodule(norm)
-        eps = getattr(m, "eps", getattr(m, "variance_epsilon", None))
-        with torch.no_grad():
-            x = mid.float() * torch.rsqrt(mid.float().pow(2).mean(-1, keepdim=True) + eps)
-            assert torch.allclose(recons, tcs[LAYER](x), rtol=1e-5, atol=1e-6)
-            assert not torch.allclose(recons, tcs[LAYER](m(mid)), rtol=1e-3, atol=1e-3)  # the gain matters
-    else:
-        with pytest.raises(UnsupportedArchitectureError,
-                           match=rf"'ln2.hook_normalized'.*layer {LAYER}.*'{norm}'.*gain.*no RMSNorm"):
-            TranscoderSet(model, {LAYER: load(tc_dir)[LAYER]})
-        with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
-            TranscoderSet.from_pretrained(model, tc_dir)
-        with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
-            CLTSet.from_pretrained(model, clt_dir)
+    tcs = TranscoderSet(model, {LAYER: load(tc_dir)[LAYER]})
+    CLTSet.from_pretrained(model, clt_dir)
+    assert tcs.site(LAYER).site_paths == (adapter.mlp_path(LAYER),)
+    ids = random_ids()
+    with model.trace(ids):
+        site = tcs.replace(LAYER)
+        mid = _norm_input(model, adapter, LAYER)
+        recons = site.hook_sae_recons.output.save()
+    m = hf.get_submodule(norm)
+    eps = getattr(m, "eps", getattr(m, "variance_epsilon", None))
+    with torch.no_grad():
+        x = mid.float()
+        if not rms:
+            x = x - x.mean(-1, keepdim=True)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        assert torch.allclose(recons, tcs[LAYER](x), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(recons, tcs[LAYER](m(mid)), rtol=1e-3, atol=1e-3)  # the gain matters
     _unit_norms(hf, adapter)
     with torch.no_grad():  # the claim that makes it the MLP input: norm(x) == x normalised, no gain
         x = torch.randn(3, adapter.d_model, generator=torch.Generator().manual_seed(0))
@@ -244,11 +237,7 @@ def test_ln2_hook_normalized_before_the_gain(family: str, tmp_path: Path) -> Non
     assert tcs.site(LAYER).input_paths == (adapter.mlp_path(LAYER),)  # unit gain: the MLP's own input
     CLTSet.from_pretrained(model, clt_dir)
     unloaded = copy.deepcopy(hf).to("meta")
-    if rms:
-        check_mlp_hooks(load(tc_dir)[LAYER], adapter, unloaded, (LAYER,))
-    else:  # weights not loaded yet: the gain cannot be checked, so refused
-        with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*not loaded"):
-            check_mlp_hooks(load(tc_dir)[LAYER], adapter, unloaded, (LAYER,))
+    check_mlp_hooks(load(tc_dir)[LAYER], adapter, unloaded, (LAYER,))
 
 
 def test_hook_mlp_out_is_the_mlp_output_or_the_post_norm_output(tmp_path: Path) -> None:

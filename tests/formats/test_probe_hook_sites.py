@@ -182,7 +182,8 @@ def attention_of(block) -> torch.nn.Module:
 def reference_transcoder_hooks(hf, layer, in_hook, out_hook, transcoder, seen):
     """Handles that record TransformerLens's ``in_hook`` of ``layer`` into ``seen`` (cast to the transcoder's dtype)
     and replace ``out_hook``'s tensor by ``transcoder`` of it: ``resid_mid = resid_pre + attn_out`` (after a
-    post-attention norm where the family has post-norms), ``ln2.hook_normalized`` its ``x / rms(x)`` in fp32."""
+    post-attention norm where the family has post-norms), ``ln2.hook_normalized`` its ``x / rms(x)`` (a LayerNorm's
+    ``(x − mean x) / σ(x)``) in fp32."""
     block = blocks(hf)[layer]
     post_norms = hasattr(block, "post_feedforward_layernorm")
     parts: dict = {}
@@ -200,12 +201,17 @@ def reference_transcoder_hooks(hf, layer, in_hook, out_hook, transcoder, seen):
             value = x
         elif in_hook == "hook_mlp_in" and getattr(hf.config, "use_parallel_residual", False):
             value = parts["pre"]  # TransformerLens: hook_mlp_in(resid_pre) under a parallel residual
-        else:
-            mid = parts["pre"] + parts["attn"]
-            if in_hook == "ln2.hook_normalized":
+        else:  # ln2 reads resid_pre under a parallel residual, resid_mid otherwise
+            mid = parts["pre"] if getattr(hf.config, "use_parallel_residual", False) else parts["pre"] + parts["attn"]
+            if in_hook == "ln2.hook_normalized":  # before the gain (and bias): x / rms(x), or (x − mean x) / σ(x)
                 norm = pre_mlp_norm(block)
                 eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-                mid = mid.float() * torch.rsqrt(mid.float().pow(2).mean(-1, keepdim=True) + eps)
+                mid = mid.float()
+                if isinstance(norm, torch.nn.LayerNorm):  # TransformerLens's LayerNormPre (it divides by the sqrt)
+                    mid = mid - mid.mean(-1, keepdim=True)
+                    mid = mid * torch.rsqrt(mid.pow(2).mean(-1, keepdim=True) + eps)
+                else:
+                    mid = mid * torch.rsqrt(mid.pow(2).mean(-1, keepdim=True) + eps)
             value = mid
         seen.append(value.to(next(transcoder.parameters()).dtype))
 
@@ -236,7 +242,8 @@ def test_a_transcoder_placed_by_its_hooks_reads_and_replaces_those_tensors(famil
     ("gemma2", "ln2.hook_normalized", "hook_mlp_out", "llamascopium"),  # and after the post-norm
     ("gemma3", "hook_resid_mid", "hook_mlp_out", "llamascopium"),
     ("gemma2", "hook_resid_mid", "hook_mlp_out", "saelens"),
-    ("gpt2", "ln2.hook_normalized", "mlp.hook_out", "saelens"),  # LayerNorm with a gain: refused by name
+    ("gpt2", "ln2.hook_normalized", "mlp.hook_out", "saelens"),  # (x − mean x) / σ(x) before gain and bias (was:
+    ("neox", "ln2.hook_normalized", "mlp.hook_out", "circuit_tracer"),  # refused: "LayerNorm with a gain")
     ("neox", "hook_resid_mid", "mlp.hook_out", "llamascopium"),  # parallel residual: refused by name
     ("llama", "hook_mlp_in", "mlp.hook_out", "saelens"),  # the residual before the norm (was: the MLP input)
     ("neox", "hook_mlp_in", "mlp.hook_out", "saelens"),  # parallel residual: the layer's input
@@ -279,8 +286,7 @@ def check_transcoder_site(family, dt, in_hook, out_hook, layer, skip, seed, sour
     tc = make_transcoder(skip=skip, seed=seed % 5, extra=extra).to(DTYPES[dt])
     block = blocks(hf)[layer]
     refused = ((in_hook == "hook_resid_mid" and getattr(hf.config, "use_parallel_residual", False))
-               or (in_hook == "ln2.hook_normalized"
-                   and isinstance(pre_mlp_norm(block), (torch.nn.LayerNorm, type(None)))))
+               or (in_hook == "ln2.hook_normalized" and pre_mlp_norm(block) is None))
     if refused:  # no such tensor, or not computable from the norm's input: a named error naming family and hook
         with pytest.raises(UnsupportedArchitectureError, match=rf"{adapter.family}.*{re.escape(in_hook)}"):
             TranscoderSet(model, {layer: tc}, adapter)

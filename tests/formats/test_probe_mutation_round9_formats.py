@@ -161,25 +161,23 @@ def test_a_sparsify_tensor_stored_transposed_is_a_named_shape_error(tmp_path: Pa
 
 
 def test_check_mlp_hooks_checks_every_layer_it_is_given() -> None:
-    """``ln2.hook_normalized`` is the MLP input only where that layer's pre-MLP norm has gain 1 and no bias (GPT-2's
-    ``ln_2`` is a LayerNorm, no RMSNorm to compute ``x / rms`` from): a transcoder file naming it is fine at a layer
-    whose ``ln_2`` is the identity and refused at one whose ``ln_2`` has a gain, also when that layer comes second."""
+    """``ln2.hook_normalized`` where the family has no pre-MLP norm (OLMo-2: its norms come after the MLP) is no
+    tensor of ours: refused at every layer it is given, also when that layer comes second. (GPT-2's LayerNorm with a
+    gain, the case this test held until 2026-11-29, is now computed: ``(x − mean x) / σ(x)`` of its input.)"""
     from helpers import make_transcoder, tiny_hf_model
 
     from nnsight_lorsa.errors import UnsupportedArchitectureError
     from nnsight_lorsa.formats.hook_sites import check_mlp_hooks
 
-    hf = tiny_hf_model("gpt2")
-    with torch.no_grad():
-        hf.transformer.h[0].ln_2.weight.fill_(1.0)
-        hf.transformer.h[0].ln_2.bias.zero_()
-        hf.transformer.h[1].ln_2.weight.fill_(1.5)
     tc = make_transcoder(skip=False, extra={"circuit_tracer": {"feature_input_hook": "ln2.hook_normalized",
                                                                "feature_output_hook": "mlp.hook_out"}})
-    ad = get_adapter(hf)
-    check_mlp_hooks(tc, ad, hf, [0])
-    with pytest.raises(UnsupportedArchitectureError, match=r"at layer 1 .*transformer\.h\.1\.ln_2"):
-        check_mlp_hooks(tc, ad, hf, [0, 1])
+    hf = tiny_hf_model("gpt2")
+    with torch.no_grad():
+        hf.transformer.h[1].ln_2.weight.fill_(1.5)
+    check_mlp_hooks(tc, get_adapter(hf), hf, [0, 1])
+    olmo = tiny_hf_model("olmo2")
+    with pytest.raises(UnsupportedArchitectureError, match=r"at layer 0 "):
+        check_mlp_hooks(tc, get_adapter(olmo), olmo, [0, 1])
 
 
 # ------------------------------------------------------------------ sparsify files
