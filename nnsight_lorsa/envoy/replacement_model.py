@@ -354,11 +354,18 @@ class ReplacementModel:
         (or invoke), it also reads the batch's padding mask (:func:`~.padding.arm_padding_check`): the
         body's interventions then refuse positions that are padding in some row (``ArgumentError``).
 
+        Raises:
+            LayerOutOfRangeError, TargetIndexError, ConfigMismatchError: as :meth:`check`, for each target, before
+                anything is spliced (a CLT's feature: how to edit it on the CLT's envoy instead).
+
         Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
         none).
         """
+        targets = set(targets)
+        for t in targets:  # named errors before anything is spliced (a CLT feature: not a target, and how to edit it)
+            self.check(t)
         arm_padding_check(self.model)
-        for t in self.sort(set(targets)):
+        for t in self.sort(targets):
             if isinstance(t, LorsaHead):
                 self._set(t).replace(t.layer, error=self.error)
             elif isinstance(t, Feature):

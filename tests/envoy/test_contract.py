@@ -52,6 +52,12 @@ def test_every_kind_is_a_replacement_set_with_the_same_contract(tiny):
     assert [s.slot for s in sets.values()] == ["lorsas", "transcoders", "saes", "transcoders"]
     with pytest.raises(ConfigMismatchError, match="not intervention targets"):
         clt.feature_module(Feature(0, 0, kind="transcoder"))
+    # through the patching front door: named before anything is spliced (was: "a CLTSet holds one CLT under the key
+    # 'clt', not 1" from the splice, a helper's probe against circuit-tracer's feature_intervention, 2026-11-29)
+    rm = ReplacementModel(model, transcoders=clt)
+    with model.trace(torch.zeros(1, 4, dtype=torch.long)):
+        with pytest.raises(ConfigMismatchError, match=r"not intervention targets.*hook_sae_acts_post\[layer\]"):
+            rm.prepare([Feature(1, 3, kind="transcoder")])
 
 
 
