@@ -122,10 +122,39 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
         return int(self.clt.n_layers * self.clt.cfg.d_sae)
 
     def feature_module(self, target: Any) -> Any:
-        raise ConfigMismatchError(f"{target}: features of a cross-layer transcoder are not intervention targets of "
-                                  "nnsight_lorsa.patching; edit them on the CLT's envoy, "
-                                  "model.clt.hook_sae_acts_post[layer].output (model.clt: what "
-                                  "rm.replace()['transcoders'] returns; in layer order), or use per-layer transcoders")
+        """The CLT, whose layer ``target.site`` has the features a ``Feature(layer, index, kind="transcoder")``
+        indexes (``cfg.d_sae`` per layer).
+
+        Raises:
+            LayerOutOfRangeError: ``target.site`` is not a layer of the CLT.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders; circuit-tracer's
+        ``feature_intervention`` on CLT features).
+        """
+        self.clt._check_layer(target.site)
+        return self.clt
+
+    def feature_key(self, target: Any) -> str:
+        """The set's one key: one splice computes every layer's features.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders).
+        """
+        return KEY
+
+    def feature_hook(self, envoy: Any, target: Any) -> Any:
+        """``envoy.hook_sae_acts_post[target.site]``: layer ``target.site``'s features ``(batch, pos, d_sae)``. An
+        edit there changes every MLP output ``l' ≥ target.site`` (its decoders write to all of them).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders).
+        """
+        return envoy.hook_sae_acts_post[int(target.site)]
+
+    def feature_output_path(self, target: Any) -> str | None:
+        """The module whose output layer ``target.site``'s step replaces (the MLP, or Gemma-2/3's post-MLP norm).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders).
+        """
+        return self.site().site_paths[int(target.site)]
 
     def by_layer(self) -> dict[int, Any]:
         """``{layer: CLTLayer}``: each layer of the CLT seen as a transcoder

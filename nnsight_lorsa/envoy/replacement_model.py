@@ -306,8 +306,7 @@ class ReplacementModel:
         if target.kind == "transcoder":  # computed once the module whose output it replaces has run
             layer = int(target.site)
             tcs = self.transcoders
-            post = tcs is not None and layer in tcs and \
-                tcs.site(layer).site_paths[0] == self.adapter.mlp_post_norm_path(layer)
+            post = tcs is not None and tcs.feature_output_path(target) == self.adapter.mlp_post_norm_path(layer)
             return (float(layer), 2.65 if post else 2.5)  # 2.65: Gemma-2/3 hook_mlp_out, post_feedforward_layernorm
         return self.order_path(str(target.site))
 
@@ -369,7 +368,8 @@ class ReplacementModel:
             if isinstance(t, LorsaHead):
                 self._set(t).replace(t.layer, error=self.error)
             elif isinstance(t, Feature):
-                self._set(t).replace(t.site, error=self.error)
+                coders = self._set(t)
+                coders.replace(coders.feature_key(t), error=self.error)
 
     def _set(self, target: LorsaHead | Feature) -> Any:
         return self.lorsas if isinstance(target, LorsaHead) else self.saes if target.kind == "sae" else self.transcoders
@@ -407,8 +407,9 @@ class ReplacementModel:
         if isinstance(target, LorsaHead):
             site = self._set(target).replace(target.layer, error=self.error)
             return site.hook_z.output, (target.head,)
-        site = self._set(target).replace(target.site, error=self.error)
-        return site.hook_sae_acts_post.output, (target.index,)
+        coders = self._set(target)
+        site = coders.replace(coders.feature_key(target), error=self.error)
+        return coders.feature_hook(site, target).output, (target.index,)
 
 
 def check_replacement_model(value: Any, where: str) -> ReplacementModel:

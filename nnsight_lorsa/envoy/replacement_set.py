@@ -397,12 +397,37 @@ class ReplacementSet(Generic[K, M]):
         """The module whose latents a :class:`~.targets.Feature` ``target`` (``target.site``: a key) indexes.
 
         Raises:
-            LayerOutOfRangeError, ConfigMismatchError: no module at ``target.site`` (the set's :meth:`missing`);
-            a CLT set always (its features are not intervention targets).
+            LayerOutOfRangeError, ConfigMismatchError: no module at ``target.site`` (the set's :meth:`missing`).
 
         Source: ours (the shared contract of this package's replacement sets).
         """
         return self[target.site]
+
+    def feature_key(self, target: Any) -> Any:
+        """The key whose splice computes a :class:`~.targets.Feature` ``target``: ``target.site`` (a CLT set:
+        its one key).
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
+        return target.site
+
+    def feature_hook(self, envoy: Any, target: Any) -> Any:
+        """The envoy whose output holds ``target``'s latents, ``(batch, pos, d_sae)``, given the envoy
+        :meth:`replace` returned for :meth:`feature_key`: its ``hook_sae_acts_post`` (a CLT's: layer
+        ``target.site``'s).
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
+        return envoy.hook_sae_acts_post
+
+    def feature_output_path(self, target: Any) -> str | None:
+        """The module whose output the splice computing ``target`` replaces (where its latents are computed: the
+        MLP, or Gemma-2/3's post-MLP norm), or None where the set holds no module for it.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
+        key = self.feature_key(target)
+        return self.site(key).site_paths[0] if key in self else None
 
     def by_layer(self) -> dict[int, Any]:
         """``{layer: module}``: what replaces each decoder layer's attention or MLP, one module per layer (the

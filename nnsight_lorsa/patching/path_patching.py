@@ -353,6 +353,12 @@ def _check(replacement: ReplacementModel, groups: list[tuple[Target, ...]], rece
             raise ConfigMismatchError("an empty sender group")
         for t in g:
             replacement.check(t)
+            if isinstance(t, Feature) and t.kind == "transcoder" \
+                    and replacement.transcoders.feature_key(t) != t.site:  # a CLT's: one splice for every layer
+                raise ConfigMismatchError(
+                    f"path_patching: {t} is a cross-layer transcoder's feature, which writes every later MLP directly; "
+                    "path patching does not separate those paths. Use activation_patching / ablation_effect, or the "
+                    "patching functions in a trace")
             _place(replacement, t)
             if mode == "mean":
                 if not isinstance(means, dict) or t not in means:
@@ -487,7 +493,8 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
             not in a layer after every sender of a group, an SAE
             sender site path patching cannot place (inside the attention / MLP module) or whose
             output a Lorsa / transcoder of the call also replaces, an MHSA sender in a spliced
-            Lorsa layer after an earlier sender of its group, a feature whose set is missing,
+            Lorsa layer after an earlier sender of its group, a feature whose set is missing, a cross-layer
+            transcoder's feature,
             MHSA receivers on a fused-QKV family, bad mode / missing means or corrupt prompts, ``means`` with a
             mode other than ``"mean"`` or ``corrupt`` with one other than ``"patch"`` (they would be ignored).
         LayerOutOfRangeError, TargetIndexError: bad targets. ShapeError: clean/corrupt shapes (or numbers of

@@ -18,7 +18,7 @@ from nnsight_lorsa._placement import offloaded, set_offload
 from nnsight_lorsa.envoy.replacement_set import ReplacementSet
 from nnsight_lorsa.envoy.splice_chain import SpliceChain
 from nnsight_lorsa.envoy.targets import Feature
-from nnsight_lorsa.errors import ConfigMismatchError
+from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError
 from nnsight_lorsa.modules import ReplacementModule
 
 
@@ -50,14 +50,10 @@ def test_every_kind_is_a_replacement_set_with_the_same_contract(tiny):
     assert list(clt) == ["clt"] and clt["clt"] is clt.clt and clt.slot == "transcoders"
     assert clt.n_latents("clt") == clt.clt.n_layers * clt.clt.cfg.d_sae
     assert [s.slot for s in sets.values()] == ["lorsas", "transcoders", "saes", "transcoders"]
-    with pytest.raises(ConfigMismatchError, match="not intervention targets"):
-        clt.feature_module(Feature(0, 0, kind="transcoder"))
-    # through the patching front door: named before anything is spliced (was: "a CLTSet holds one CLT under the key
-    # 'clt', not 1" from the splice, a helper's probe against circuit-tracer's feature_intervention, 2026-11-29)
-    rm = ReplacementModel(model, transcoders=clt)
-    with model.trace(torch.zeros(1, 4, dtype=torch.long)):
-        with pytest.raises(ConfigMismatchError, match=r"not intervention targets.*hook_sae_acts_post\[layer\]"):
-            rm.prepare([Feature(1, 3, kind="transcoder")])
+    # a CLT's features are intervention targets: its layer's features (tests/patching/test_clt_feature_targets.py)
+    assert clt.feature_module(Feature(0, 0, kind="transcoder")) is clt.clt and clt.feature_key(Feature(2, 0)) == "clt"
+    with pytest.raises(LayerOutOfRangeError):  # named before anything is spliced
+        ReplacementModel(model, transcoders=clt).prepare([Feature(clt.clt.n_layers, 3, kind="transcoder")])
 
 
 
