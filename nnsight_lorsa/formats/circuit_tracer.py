@@ -22,6 +22,22 @@ Cross-layer transcoders (``transcoder/cross_layer_transcoder.py``, ``to_safetens
     nor reads ``W_skip_{i}``, so :func:`save_circuit_tracer_clt` refuses skip CLTs); ``W_dec_{i}.safetensors``:
     ``W_dec_{i} (d_sae, n_layers − i, d_model)`` (our layout). ``n_layers`` = number of ``W_enc_*`` files.
 
+GemmaScope-2 (Google's Gemma-3 dictionaries; circuit-tracer reads them when ``config.yaml``'s ``repo_id`` holds
+``gemma-scope-2`` and it lists ``transcoders``: ``utils/hf_utils.py load_transcoders``). We detect them by their
+tensor names (lower-case ``w_enc``), whatever the repo is called; one layout per set (a mix is refused):
+
+Per-layer transcoders (``load_gemma_scope_2_transcoder``), the files ``transcoders`` lists (or ``layer_{i}``)
+    ``w_enc (d_in, d_sae)`` (ours ``W_enc`` as it is; theirs ``w_enc.T``), ``w_dec (d_sae, d_out)``, ``b_enc (d_sae)``,
+    ``b_dec (d_out)``, ``threshold (d_sae)`` (required: JumpReLU ``x·1[x > θ]``), optional
+    ``affine_skip_connection (d_in, d_out)`` applied as ``x @ affine_skip_connection`` (ours
+    ``W_skip = affine_skip_connectionᵀ``, ``(d_out, d_in)``).
+Cross-layer transcoders (``load_gemma_scope_2_clt``), one file per layer as above except
+    ``w_dec (d_sae, n_layers, d_model)``: layer ``i`` keeps ``w_dec[:, i:]`` (ours ``W_dec_{i}``; the entries for
+    earlier layers are not read, as circuit-tracer slices them away); ``affine_skip_connection`` stacked, applied as
+    ``x_l @ affine_skip_connection_l`` (ours ``W_skip[l]`` its transpose). Every listed layer is read: circuit-tracer
+    0.5.0 stacks ``range(max(paths.keys()))`` layers, one fewer than it lists, and then refuses its own ``W_dec``
+    shapes (``tests/fixtures/peers/circuit_tracer/gemma_scope_2/limits.json``; docs/formats.md, "GemmaScope-2").
+
 Never reads their ``.npz`` (Gemma Scope) files or anything pickled.
 
 Two readers (:class:`~.reader.Reader`), :data:`TRANSCODERS_READER` and :data:`CLT_READER`, each in
@@ -76,6 +92,16 @@ LAYER_TENSORS = TensorSpec({"W_enc": ("d_sae", "d_in"), "W_dec": ("d_sae", "d_ou
 CLT_ENC_TENSORS = TensorSpec({"W_enc_{i}": ("d_sae", "d_model"), "b_enc_{i}": ("d_sae",), "b_dec_{i}": ("d_model",)},
                              {"threshold_{i}": ("d_sae",), "W_skip_{i}": ("d_model", "d_model")})
 CLT_DEC_TENSORS = TensorSpec({"W_dec_{i}": ("d_sae", "n_later", "d_model")})
+#: a GemmaScope-2 per-layer file (``load_gemma_scope_2_transcoder``'s keys; its ``threshold`` is required there)
+GS2_ENC_KEY = "w_enc"
+GS2_SKIP_KEY = "affine_skip_connection"
+GS2_LAYER_TENSORS = TensorSpec({"w_enc": ("d_in", "d_sae"), "w_dec": ("d_sae", "d_out"), "b_enc": ("d_sae",),
+                                "b_dec": ("d_out",), LEGACY_THRESHOLD_KEY: ("d_sae",)},
+                               {GS2_SKIP_KEY: ("d_in", "d_out")})
+#: a GemmaScope-2 CLT layer file (``load_gemma_scope_2_clt``): ``w_dec`` spans every layer
+GS2_CLT_TENSORS = TensorSpec({"w_enc": ("d_model", "d_sae"), "w_dec": ("d_sae", "n_layers", "d_model"),
+                              "b_enc": ("d_sae",), "b_dec": ("d_model",), LEGACY_THRESHOLD_KEY: ("d_sae",)},
+                             {GS2_SKIP_KEY: ("d_model", "d_model")})
 
 __all__ = ["CLT_READER", "TRANSCODERS_READER", "CircuitTracerTranscoders", "choose_reader", "load_circuit_tracer_clt",
            "load_circuit_tracer_transcoders", "save_circuit_tracer_clt", "save_circuit_tracer_transcoders"]
@@ -243,8 +269,11 @@ def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int
 
 def _layer_config(file: Path, layer: int, act_name: str, cfg: dict[str, Any],
                   d_model: int | None) -> tuple[TranscoderConfig, dict[str, tuple[int, ...]], str]:
-    """One layer file's :class:`TranscoderConfig`, expected shapes and source note, from its header."""
+    """One layer file's :class:`TranscoderConfig`, expected shapes and source note, from its header (circuit-tracer's
+    keys, or GemmaScope-2's: :func:`_gs2_layer_config`)."""
     shapes, _ = read_safetensors_header(file)
+    if _is_gs2(file, shapes):
+        return _gs2_layer_config(file, shapes, layer, cfg, d_model)
     require(len(shapes.get("W_enc", ())) == 2, file, f"missing tensor 'W_enc' (d_sae, d_model), found {sorted(shapes)}")
     d_sae, d_in = (check_size(n, file, f"W_enc.shape[{i}]") for i, n in enumerate(shapes["W_enc"]))
     check_d_model(d_in, d_model, file, "W_enc.shape[1]")
@@ -264,12 +293,53 @@ def _layer_config(file: Path, layer: int, act_name: str, cfg: dict[str, Any],
     return tcfg, expected, src
 
 
+def _is_gs2(file: Path, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether a layer file holds GemmaScope-2's keys (lower-case ``w_enc``; circuit-tracer's are ``W_enc``).
+
+    Raises:
+        CheckpointError: a file with both (one layout per file).
+    """
+    ours = sorted(k for k in ("W_enc", "W_dec", "W_skip", THRESHOLD_KEY) if k in shapes)
+    theirs = sorted(k for k in (GS2_ENC_KEY, "w_dec", GS2_SKIP_KEY) if k in shapes)
+    require(not (ours and theirs), file, f"mixes circuit-tracer's keys {ours} and GemmaScope-2's {theirs}; a layer "
+                                         "file holds one layout (W_enc … or w_enc …)")
+    return bool(theirs)
+
+
+def _gs2_layer_config(file: Path, shapes: dict[str, tuple[int, ...]], layer: int, cfg: dict[str, Any],
+                      d_model: int | None) -> tuple[TranscoderConfig, dict[str, tuple[int, ...]], str]:
+    """A GemmaScope-2 layer file's :class:`TranscoderConfig` (always JumpReLU: circuit-tracer's
+    ``load_gemma_scope_2_transcoder`` reads ``threshold`` unconditionally), expected shapes and source note.
+
+    Raises:
+        CheckpointError: no 2-D ``w_enc``; a 3-D ``w_dec`` (a CLT's layer file, in a ``transcoder_set``); a missing
+            or unexpected tensor or a wrong shape (naming file and key).
+    """
+    require(len(shapes.get(GS2_ENC_KEY, ())) == 2, file,
+            f"missing tensor 'w_enc' (d_in, d_sae), found {sorted(shapes)}")
+    d_in, d_sae = (check_size(n, file, f"w_enc.shape[{i}]") for i, n in enumerate(shapes[GS2_ENC_KEY]))
+    check_d_model(d_in, d_model, file, "w_enc.shape[0]")
+    dec = shapes.get("w_dec", ())
+    require(len(dec) != 3, file, f"w_dec has shape {dec} (d_sae, n_layers, d_out): a GemmaScope-2 cross-layer "
+                                 f"transcoder's layer file; its {CONFIG_FILE} needs model_kind: cross_layer_transcoder")
+    # circuit-tracer sizes the output from b_dec (load_gemma_scope_2_transcoder: d_model = b_dec.shape[0])
+    d_out = check_size(shapes["b_dec"][0], file, "b_dec.shape[0]") if len(shapes.get("b_dec", ())) == 1 else d_in
+    src = f"w_enc / b_dec of {file.name} (d_in={d_in}, d_sae={d_sae}, d_out={d_out}; GemmaScope-2 layout)"
+    expected = check_declared_tensors(file, shapes, GS2_LAYER_TENSORS, {"d_sae": d_sae, "d_in": d_in, "d_out": d_out},
+                                      src, with_=[GS2_SKIP_KEY] if GS2_SKIP_KEY in shapes else [])
+    tcfg = TranscoderConfig(d_in=d_in, d_sae=d_sae, d_out=d_out, activation="jumprelu", activation_params={},
+                            layer=layer, extra={"circuit_tracer": {**_hooks(cfg), "file": file.name,
+                                                                   "layout": "gemma_scope_2"}})
+    return tcfg, expected, src
+
+
 def parse_transcoders_config(directory: Path, *, d_model: int | None = None) -> Parsed:
-    """``config.yaml`` and every layer file's header -> ``Parsed(directory, {layer: TranscoderConfig}, …)``.
+    """``config.yaml`` and every layer file's header -> ``Parsed(directory, {layer: TranscoderConfig}, …)``
+    (circuit-tracer's keys or GemmaScope-2's, one layout for every layer).
 
     Raises:
         CheckpointError: bad YAML, a missing file or tensor, a wrong shape (naming file and key),
-            layers that do not cover 0..n-1.
+            layers that do not cover 0..n-1, layers of both layouts.
         UnsupportedArchitectureError: another ``model_kind``; an ``activation`` other than relu / jump_relu
             (``topk`` included: circuit-tracer reads no such key and runs the file as ReLU).
         ConfigMismatchError: ``d_model`` given and different from the files'.
@@ -291,6 +361,10 @@ def parse_transcoders_config(directory: Path, *, d_model: int | None = None) -> 
     for layer, file in sorted(_layer_files(directory, cfg, config_path).items()):
         layers[layer] = (file, *_layer_config(file, layer, act_name, cfg, d_model))
     check_numbered(layers, directory, "transcoders must cover layers")
+    gs2 = sorted(layer for layer, entry in layers.items() if GS2_ENC_KEY in entry[2])
+    require(not gs2 or len(gs2) == len(layers), directory,
+            f"layers {gs2} are GemmaScope-2 files (w_enc …) and layers "
+            f"{sorted(set(layers) - set(gs2))} circuit-tracer's (W_enc …); circuit-tracer reads a set with one loader")
     widths = {layer: (entry[1].d_in, entry[1].d_out) for layer, entry in layers.items()}
     require(len(set(widths.values())) <= 1, directory, "the layer files disagree on (d_model, d_out) (from W_enc / "
             "b_dec): " + ", ".join(f"{layers[k][0].name} {v}" for k, v in sorted(widths.items())))
@@ -300,7 +374,7 @@ def parse_transcoders_config(directory: Path, *, d_model: int | None = None) -> 
 
 def load_transcoders_weights(directory: Path, parsed: Parsed) -> dict[int, dict[str, torch.Tensor]]:
     """Every ``layer_{i}.safetensors`` in our layout (``W_enc`` transposed; ``threshold`` ->
-    ``activation.threshold``), by layer.
+    ``activation.threshold``), by layer; a GemmaScope-2 file (``w_enc``) as :func:`_gs2_layer_state` maps it.
 
     Raises:
         CheckpointError: an unreadable file.
@@ -309,6 +383,9 @@ def load_transcoders_weights(directory: Path, parsed: Parsed) -> dict[int, dict[
     for layer, (file, tcfg, _, _) in parsed.settings["layers"].items():
         state = load_safetensors(file)
         check_file_tensors(file, state)
+        if GS2_ENC_KEY in state:
+            out[layer] = _gs2_layer_state(state)
+            continue
         ours = {"W_enc": state["W_enc"].T, "b_enc": state["b_enc"], "W_dec": state["W_dec"],
                 "b_dec": state["b_dec"]}
         if "W_skip" in state:
@@ -317,6 +394,18 @@ def load_transcoders_weights(directory: Path, parsed: Parsed) -> dict[int, dict[
             ours["activation.threshold"] = state[THRESHOLD_KEY if THRESHOLD_KEY in state else LEGACY_THRESHOLD_KEY]
         out[layer] = ours
     return out
+
+
+def _gs2_layer_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A GemmaScope-2 layer file in our layout, as circuit-tracer's ``load_gemma_scope_2_transcoder`` computes it:
+    its ``W_enc = w_enc.T`` used as ``F.linear(x, W_enc)`` is ``x @ w_enc`` (ours ``W_enc = w_enc``); its
+    ``W_skip = affine_skip_connection.T`` used as ``x @ W_skip.T`` is ``x @ affine_skip_connection`` (ours
+    ``W_skip (d_out, d_in) = affine_skip_connectionᵀ``, used as ``x W_skipᵀ``)."""
+    ours = {"W_enc": state[GS2_ENC_KEY], "W_dec": state["w_dec"], "b_enc": state["b_enc"], "b_dec": state["b_dec"],
+            "activation.threshold": state[LEGACY_THRESHOLD_KEY]}
+    if GS2_SKIP_KEY in state:
+        ours["W_skip"] = state[GS2_SKIP_KEY].T
+    return ours
 
 
 def build_transcoders(parsed: Parsed, states: dict[int, dict[str, torch.Tensor]], *,
@@ -343,9 +432,11 @@ TRANSCODERS_READER = Reader("circuit_tracer_transcoders", HUB_FILES, parse_trans
 
 
 def load_circuit_tracer_transcoders(directory: str | os.PathLike[str], **kwargs: Any) -> CircuitTracerTranscoders:
-    """Load a circuit-tracer per-layer transcoder set (``config.yaml`` + ``layer_{i}.safetensors``).
+    """Load a circuit-tracer per-layer transcoder set (``config.yaml`` + ``layer_{i}.safetensors``), or a
+    GemmaScope-2 set (lower-case ``w_enc`` files ``config.yaml`` lists; detected by the tensor names).
 
-    Source: circuit-tracer ``transcoder/single_layer_transcoder.py`` (module docstring).
+    Source: circuit-tracer ``transcoder/single_layer_transcoder.py`` (``load_relu_transcoder``,
+    ``load_gemma_scope_2_transcoder``; module docstring).
     ``kwargs``: ``d_model``, ``device``, ``dtype``, ``subfolder``, ``local_files_only``, ``revision``.
 
     Returns:
@@ -361,15 +452,24 @@ def load_circuit_tracer_transcoders(directory: str | os.PathLike[str], **kwargs:
 
 # --------------------------------------------------------------------------- cross-layer transcoders
 def parse_clt_config(directory: Path, *, d_model: int | None = None) -> Parsed:
-    """``config.yaml`` and ``W_enc_0.safetensors``'s header -> ``Parsed(directory, CLTConfig, …)``.
+    """``config.yaml`` and ``W_enc_0.safetensors``'s header -> ``Parsed(directory, CLTConfig, …)``; without
+    ``W_enc_<i>`` files, the GemmaScope-2 layer files ``transcoders`` lists (or ``layer_<i>.safetensors``):
+    :func:`_parse_gs2_clt`.
 
     Raises:
-        CheckpointError: bad YAML, no ``W_enc_<i>`` files (or not numbered 0..n-1), no ``W_enc_0`` tensor.
+        CheckpointError: bad YAML, no ``W_enc_<i>`` files (or not numbered 0..n-1) nor GemmaScope-2 layer files, both
+            kinds, no ``W_enc_0`` tensor.
         UnsupportedArchitectureError: another ``model_kind``.
         ConfigMismatchError: ``d_model`` given and different from the files'.
     """
     cfg = _model_kind(directory, "cross_layer_transcoder")
     enc_files = _numbered(directory, r"W_enc_([0-9]+)\.safetensors")
+    listed = cfg.get("transcoders")
+    if (isinstance(listed, list) and listed) or (not enc_files and (directory / "layer_0.safetensors").is_file()):
+        require(not enc_files, directory / CONFIG_FILE,
+                f"lists per-layer files under 'transcoders' (GemmaScope-2's CLT layout) and the folder holds "
+                f"{sorted(p.name for p in enc_files.values())} (circuit-tracer's): one CLT layout per folder")
+        return _parse_gs2_clt(directory, cfg, d_model)
     require(enc_files, directory, "no W_enc_<i>.safetensors files")
     n = len(enc_files)
     shapes0, _ = read_safetensors_header(enc_files[0])
@@ -385,12 +485,77 @@ def parse_clt_config(directory: Path, *, d_model: int | None = None) -> Parsed:
         "enc_files": enc_files, "source": f"W_enc_0 of {enc_files[0].name} (d_sae={d_sae}, d_model={d}, n_layers={n})"})
 
 
+def _parse_gs2_clt(directory: Path, cfg: dict[str, Any], d_model: int | None) -> Parsed:
+    """A GemmaScope-2 CLT (``load_gemma_scope_2_clt``): one layer file per entry of ``transcoders`` (entry ``i`` is
+    layer ``i``, as :func:`_layer_files` reads a set), sizes from layer 0's header; always JumpReLU.
+
+    Raises:
+        CheckpointError: layers not 0..n-1, no 2-D ``w_enc`` in layer 0 (circuit-tracer's own keys there instead).
+        ConfigMismatchError: ``d_model`` given and different from the files'.
+    """
+    config_path = directory / CONFIG_FILE
+    files = _layer_files(directory, cfg, config_path)
+    check_numbered(files, directory, "a GemmaScope-2 CLT's layer files must cover layers")
+    shapes0, _ = read_safetensors_header(files[0])
+    _is_gs2(files[0], shapes0)  # refuses a file mixing both layouts
+    require(len(shapes0.get(GS2_ENC_KEY, ())) == 2, files[0],
+            f"missing tensor 'w_enc' (d_model, d_sae) of a GemmaScope-2 CLT layer file, found {sorted(shapes0)} "
+            f"(a circuit-tracer CLT is W_enc_<i>.safetensors + W_dec_<i>.safetensors)")
+    d, d_sae = (check_size(k, files[0], f"w_enc.shape[{i}]") for i, k in enumerate(shapes0[GS2_ENC_KEY]))
+    check_d_model(d, d_model, files[0], "w_enc.shape[0]")
+    n = len(files)
+    ccfg = CLTConfig(d_in=d, d_sae=d_sae, n_layers=n, skip=GS2_SKIP_KEY in shapes0, activation="jumprelu",
+                     extra={"circuit_tracer": {**_hooks(cfg), "layout": "gemma_scope_2"}})
+    return Parsed(directory, ccfg, {
+        "gs2_files": files,
+        "source": f"w_enc of {files[0].name} (d_model={d}, d_sae={d_sae}, n_layers={n}; GemmaScope-2 layout)"})
+
+
+def _load_gs2_clt(parsed: Parsed) -> dict[str, torch.Tensor]:
+    """The GemmaScope-2 layer files in our layout, as circuit-tracer's ``load_gemma_scope_2_clt`` computes them (all
+    ``n`` layers: see the module docstring): ``W_enc[i] = w_enc_i`` (theirs ``w_enc_iᵀ`` in ``einsum("lbd,lfd")``),
+    ``W_dec_{i} = w_dec_i[:, i:]``, ``activation.{i}.threshold = threshold_i``, ``W_skip[i] =
+    affine_skip_connection_iᵀ`` (theirs used as ``x_i @ affine_skip_connection_i``; ours as ``x_i W_skip[i]ᵀ``).
+
+    Raises:
+        CheckpointError: a missing or unexpected tensor (a skip path in some layers only included), a wrong shape
+            (naming file and key), a non-floating or non-finite tensor.
+    """
+    ccfg, src = parsed.config, parsed.settings["source"]
+    n, d, d_sae = ccfg.n_layers, ccfg.d_in, ccfg.d_sae
+    ours: dict[str, torch.Tensor] = {}
+    W_enc, b_enc, b_dec, W_skip = [], [], [], []
+    for i in range(n):
+        file = parsed.settings["gs2_files"][i]
+        shapes, _ = read_safetensors_header(file)
+        check_declared_tensors(file, shapes, GS2_CLT_TENSORS, {"d_sae": d_sae, "d_model": d, "n_layers": n}, src,
+                               with_=(GS2_SKIP_KEY,) * ccfg.skip)
+        state = load_safetensors(file)
+        check_file_tensors(file, state)
+        W_enc.append(state[GS2_ENC_KEY])
+        b_enc.append(state["b_enc"])
+        b_dec.append(state["b_dec"])
+        ours[f"activation.{i}.threshold"] = state[LEGACY_THRESHOLD_KEY]
+        ours[f"W_dec_{i}"] = state["w_dec"][:, i:].contiguous()
+        if ccfg.skip:
+            W_skip.append(state[GS2_SKIP_KEY].T)
+    ours["W_enc"] = torch.stack(W_enc)
+    ours["b_enc"] = torch.stack(b_enc)
+    ours["b_dec"] = torch.stack(b_dec)
+    if ccfg.skip:
+        ours["W_skip"] = torch.stack(W_skip)
+    return ours
+
+
 def load_clt_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
-    """Every ``W_enc_{i}`` / ``W_dec_{i}`` file, checked against ``W_enc_0``'s sizes and stacked in our layout.
+    """Every ``W_enc_{i}`` / ``W_dec_{i}`` file, checked against ``W_enc_0``'s sizes and stacked in our layout (a
+    GemmaScope-2 CLT: :func:`_load_gs2_clt`).
 
     Raises:
         CheckpointError: a missing file or tensor, a wrong shape (naming file and key).
     """
+    if "gs2_files" in parsed.settings:
+        return _load_gs2_clt(parsed)
     ccfg, src = parsed.config, parsed.settings["source"]
     n, d, d_sae = ccfg.n_layers, ccfg.d_in, ccfg.d_sae
     has_threshold, has_skip = ccfg.activation == "jumprelu", ccfg.skip
@@ -439,9 +604,11 @@ CLT_READER = Reader("circuit_tracer_clt", HUB_FILES, parse_clt_config, load_clt_
 
 
 def load_circuit_tracer_clt(directory: str | os.PathLike[str], **kwargs: Any) -> CrossLayerTranscoder:
-    """Load a circuit-tracer CLT (``W_enc_{i}.safetensors`` + ``W_dec_{i}.safetensors``) as ours.
+    """Load a circuit-tracer CLT (``W_enc_{i}.safetensors`` + ``W_dec_{i}.safetensors``) as ours, or a GemmaScope-2
+    CLT (one lower-case ``w_enc`` file per layer, listed under ``transcoders``; every listed layer read).
 
-    Source: circuit-tracer ``transcoder/cross_layer_transcoder.py`` (module docstring).
+    Source: circuit-tracer ``transcoder/cross_layer_transcoder.py`` (``load_clt``, ``load_gemma_scope_2_clt``; module
+    docstring).
     ``kwargs``: ``d_model``, ``device``, ``dtype``, ``subfolder``, ``local_files_only``, ``revision``.
 
     Returns:
