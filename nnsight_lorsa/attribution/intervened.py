@@ -299,7 +299,7 @@ class IntervenedAttribution:
             if isinstance(t, LorsaHead):
                 key, width, col = (LORSA, t.layer), rm.lorsas[t.layer].cfg.n_ov_heads, t.head
             elif isinstance(t, Feature) and t.kind == "transcoder" and isinstance(t.site, int):
-                key, width, col = (TRANSCODER, t.site), rm.transcoders[t.site].cfg.d_sae, t.index
+                key, width, col = (TRANSCODER, t.site), rm.transcoders.feature_module(t).cfg.d_sae, t.index
             else:  # carried by an error node (_check_edit)
                 continue
             if key not in marks:

@@ -32,6 +32,10 @@ theirs                             ours
 ``n_qk_heads``, ``d_qk_head``      same
 ``act_fn == "topk"``, ``top_k``    ``top_k`` (ReLU, then the top ``current_k = top_k`` per token)
 ``act_fn == "relu"``               ``top_k = n_ov_heads`` (top-all of ReLU = ReLU, exact)
+``act_fn == "jumprelu"``           ``activation="jumprelu"``, ``top_k = n_ov_heads``; their
+                                   ``activation_function.log_jumprelu_threshold`` → our
+                                   ``threshold = exp(·)`` (``z_pre · 1[z_pre > θ_h]``, as their
+                                   ``STEFunction.forward``)
 ``attn_scale`` (None→√d_qk_head)   ``attn_scale`` (scores are divided by it)
 ``use_post_qk_ln`` + ``"RMS"``     ``qk_norm=True``; ``eps`` → ``qk_norm_eps``
 ``use_decoder_bias``               ``use_decoder_bias``
@@ -57,8 +61,8 @@ RMSNorm ``x / sqrt(mean(x²) + eps) * w`` on q and k (QK-norm *before* RoPE), Ro
 ``h // (n_ov/n_qk)``), then the activation and ``out = acts W_O + b_D``.
 
 Unsupported (raise :class:`UnsupportedArchitectureError`): ``attn_type == "local"`` (sliding
-window), ``normalization_type == "LN"`` QK-norm, ``act_fn`` other than ``topk``/``relu``
-(``jumprelu`` has learned thresholds, ``batchtopk`` is batch-dependent), ``norm_activation``
+window), ``normalization_type == "LN"`` QK-norm, ``act_fn`` other than ``topk``/``relu``/``jumprelu``
+(``batchtopk`` is batch-dependent), ``norm_activation``
 ``"token-wise"``/``"batch-wise"`` (input-dependent scaling), and the chess fork's
 ``use_smolgen``/``use_learnable_attn_scale``. Anything malformed raises :class:`CheckpointError`
 naming the file and key.
@@ -286,14 +290,16 @@ def _settings(raw: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def _activation(raw: dict[str, Any], path: Path, n_ov: int) -> tuple[str, int]:
-    """``(act_fn, top_k)``: ``topk`` keeps ``top_k``, ``relu`` is top-all."""
+    """``(act_fn, top_k)``: ``topk`` keeps ``top_k``, ``relu`` and ``jumprelu`` are top-all (the JumpReLU's
+    thresholds gate first: ``Lorsa.activation``)."""
     act_fn = config_value(raw, "act_fn", path, str, "relu").lower()
     if act_fn == "topk":
         return act_fn, config_size(raw, "top_k", path, 50)
-    if act_fn == "relu":
+    if act_fn in ("relu", "jumprelu"):
         return act_fn, n_ov
     raise UnsupportedArchitectureError(
-        f"{path}: key 'act_fn': act_fn={act_fn!r} is not supported (only 'topk', and 'relu' as top-all)"
+        f"{path}: key 'act_fn': act_fn={act_fn!r} is not supported (only 'topk', 'jumprelu', and 'relu' as "
+        "top-all; 'batchtopk' ranks a whole batch at once)"
     )
 
 
@@ -426,6 +432,7 @@ def parse_config(directory: Path, *, layer: int | None = None, weights_folded: b
             d_qk_head=d_qk,
             n_ov_heads=n_ov,
             top_k=top_k,
+            activation="jumprelu" if act_fn == "jumprelu" else "topk",
             rotary=_rotary(raw, path, d_qk),
             attn_scale=attn_scale,
             qk_norm=qk_norm,
@@ -477,6 +484,10 @@ def _check_buffers(
                                        "NTK_by_parts_*)")
 
 
+#: their JumpReLU's parameter (``activation_functions.py``: ``JumpReLU.log_jumprelu_threshold``), ``(d_sae,)``
+JUMPRELU_KEY = "activation_function.log_jumprelu_threshold"
+
+
 def _split_state(weights_path: Path, state: dict[str, torch.Tensor], cfg: LorsaConfig,
                  n_ctx: int, rotary_scale: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``(params, norm scalars by hook)``: parameters checked against ``cfg``, buffers validated."""
@@ -489,6 +500,11 @@ def _split_state(weights_path: Path, state: dict[str, torch.Tensor], cfg: LorsaC
         for k, v in state.items()
         if not k.startswith(NORM_PREFIX) and k not in _CHECKED_BUFFERS + _IGNORED_BUFFERS
     }
+    if cfg.activation == "jumprelu":  # their JumpReLU.forward: log_threshold.exp()
+        require(JUMPRELU_KEY in params and params[JUMPRELU_KEY].dim() == 1, weights_path,
+                f"missing tensor {JUMPRELU_KEY!r} (d_sae,): {CONFIG_FILE} says act_fn: jumprelu")
+        log_threshold = params.pop(JUMPRELU_KEY)
+        params["threshold"] = log_threshold.to(torch.promote_types(log_threshold.dtype, torch.float32)).exp()
     if rotary_scale > 1:  # exact: q·k over repeated dims, RMS of a repeated vector is unchanged
         for key in _QK_TENSORS:
             if key in params and params[key].dim() >= 1:
@@ -651,7 +667,8 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
             both (their ``LorsaConfig`` refuses it); ``model=`` for
             a Lorsa without ``cfg.layer``, or one that reads ``ln1.hook_normalized`` already (theirs, not folded).
         UnsupportedArchitectureError: ``model=`` of a family whose Lorsa has no TransformerLens form (a
-            post-attention norm: Gemma-2/3, OLMo-2).
+            post-attention norm: Gemma-2/3, OLMo-2); a JumpReLU Lorsa with a top-k below every head or a
+            threshold ≤ 0 (their JumpReLU stores log-thresholds and has no top-k).
     """
     from ..errors import ArgumentError
 
@@ -685,7 +702,16 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
     }
     dtype = lorsa.W_Q.dtype
     state = {k: v.detach().to("cpu").contiguous() for k, v in lorsa.state_dict().items()}
-    state["mask"] = torch.ones(n_ctx, n_ctx, dtype=torch.bool, device="cpu").tril()
+    if cfg.activation == "jumprelu":  # their JumpReLU: act_fn jumprelu, top-all, log-thresholds
+        threshold = state.pop("threshold")
+        if cfg.top_k != cfg.n_ov_heads or not bool((threshold > 0).all()):
+            raise UnsupportedArchitectureError(
+                f"save(format='llamascopium'): a JumpReLU Lorsa with top_k={cfg.top_k} of {cfg.n_ov_heads} heads, "
+                f"smallest threshold {float(threshold.min()):g}: their JumpReLU keeps every head above a positive "
+                "threshold (log_jumprelu_threshold), with no top-k")
+        doc.update(act_fn="jumprelu")
+        del doc["top_k"]
+        state[JUMPRELU_KEY] = threshold.double().log().to(threshold.dtype)
     state["IGNORE"] = torch.tensor(-torch.inf, device="cpu")
     rot = cfg.rotary
     if rot is not None:

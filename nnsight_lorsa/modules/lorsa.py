@@ -203,6 +203,10 @@ class Lorsa(ReplacementModule):
             self.b_D = nn.Parameter(torch.zeros(d, device=device, dtype=dtype))
         else:
             self.register_parameter("b_D", None)
+        if cfg.activation == "jumprelu":  # per-head thresholds (Llamascopium's JumpReLU), read from files
+            self.register_buffer("threshold", torch.zeros(n, device=device, dtype=dtype))
+        else:
+            self.threshold: torch.Tensor | None = None
         if cfg.qk_norm:
             self.ln_q = PerHeadRMSNorm(h, e, cfg.qk_norm_eps, device=device, dtype=dtype)
             self.ln_k = PerHeadRMSNorm(h, e, cfg.qk_norm_eps, device=device, dtype=dtype)
@@ -546,7 +550,9 @@ class Lorsa(ReplacementModule):
     def activation(
         self, z_pre: Float[torch.Tensor, "batch pos n_ov"], top_k: int | None = None
     ) -> tuple[Float[torch.Tensor, "batch pos n_ov"], Int[torch.Tensor, "batch pos k"]]:
-        """ReLU then top-k over heads per token: ``(z, topk_indices)``; z is dense with zeros.
+        """ReLU then top-k over heads per token: ``(z, topk_indices)``; z is dense with zeros. A JumpReLU Lorsa
+        (``cfg.activation == "jumprelu"``) keeps ``z_pre[h]`` where it exceeds ``threshold[h]`` (strictly; zero
+        elsewhere), then the top-k of those.
 
         Raises:
             ArgumentError: ``top_k`` given and not an int in ``[1, n_ov_heads]``.
@@ -559,6 +565,8 @@ class Lorsa(ReplacementModule):
         if top_k is not None and (not is_int(k)
                                   or not 1 <= k <= self.cfg.n_ov_heads):
             raise ArgumentError(f"Lorsa top_k must be an int in [1, n_ov_heads={self.cfg.n_ov_heads}], got {k!r}")
+        if self.threshold is not None:  # JumpReLU: z_pre · 1[z_pre > θ_h] (Llamascopium's JumpReLU.forward)
+            z_pre = z_pre * (z_pre > self.threshold.to(z_pre.device)).to(z_pre.dtype)
         vals, idx = z_pre.topk(int(k), dim=-1, sorted=False)
         z = torch.zeros_like(z_pre).scatter_(-1, idx, vals.relu())  # in place: no copy of the zeros
         return z, idx

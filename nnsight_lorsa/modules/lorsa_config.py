@@ -13,6 +13,9 @@ from .._repr import FieldsRepr
 from ..errors import ArgumentError, CheckpointError
 from .rotary import RotaryConfig
 
+#: a Lorsa's activations: the paper's ReLU + top-k, and Llamascopium's JumpReLU (learned per-head thresholds)
+LORSA_ACTIVATIONS = ("topk", "jumprelu")
+
 
 @dataclass(repr=False)
 class LorsaConfig(FieldsRepr):
@@ -24,6 +27,9 @@ class LorsaConfig(FieldsRepr):
         d_qk_head: QK head size; equals the target MHSA head size (App. B: never smaller).
         n_ov_heads: number of rank-1 OV heads ``H_Lorsa`` (6K for Pythia-160M, 32K for Llama-3.1-8B).
         top_k: heads kept active per token after ReLU (64 / 128 in the paper).
+        activation: ``"topk"`` (the paper's: ReLU, then the ``top_k`` largest) or ``"jumprelu"`` (Llamascopium's
+            ``act_fn: jumprelu``: head ``h`` fires where ``z_pre > threshold[h]``, the Lorsa's ``threshold`` buffer
+            ``(n_ov_heads,)``, then the ``top_k`` largest of those; ``top_k = n_ov_heads`` for a JumpReLU alone).
         rotary: how queries and keys rotate (``None`` for models without RoPE, e.g. GPT-2).
         attn_scale: scores are divided by this; default ``sqrt(d_qk_head)``.
         qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3); ``qk_norm_eps`` its epsilon.
@@ -45,6 +51,7 @@ class LorsaConfig(FieldsRepr):
     d_qk_head: int
     n_ov_heads: int
     top_k: int
+    activation: str = "topk"
     rotary: RotaryConfig | None = None
     attn_scale: float | None = None
     qk_norm: bool = False
@@ -82,6 +89,8 @@ class LorsaConfig(FieldsRepr):
             raise CheckpointError(
                 f"n_ov_heads ({self.n_ov_heads}) must be a multiple of n_qk_heads ({self.n_qk_heads})"
             )
+        if self.activation not in LORSA_ACTIVATIONS:
+            raise CheckpointError(f"LorsaConfig.activation must be one of {LORSA_ACTIVATIONS}, got {self.activation!r}")
         if self.top_k > self.n_ov_heads:
             raise CheckpointError(f"top_k ({self.top_k}) exceeds n_ov_heads ({self.n_ov_heads})")
         if self.rotary is not None and self.rotary.head_dim != self.d_qk_head:

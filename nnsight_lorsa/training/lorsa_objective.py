@@ -53,7 +53,8 @@ class LorsaObjective(_Objective):
     Raises:
         TypeError: ``module`` is not a Lorsa.
         ConfigMismatchError: the recipe's ``k_anneal_from`` is below the Lorsa's ``top_k`` or above its
-            ``n_ov_heads``.
+            ``n_ov_heads``; a JumpReLU Lorsa (``cfg.activation == "jumprelu"``, read from Llamascopium's files:
+            its thresholds would need their straight-through estimator, which this trainer does not have).
 
     Source: Lorsa paper (He et al. 2025) §3.2; Llamascopium ``src/llamascopium/models/lorsa.py``.
     """
@@ -66,6 +67,11 @@ class LorsaObjective(_Objective):
     def __init__(self, module: Any, mhsa: Any = None, recipe: LorsaRecipe | None = None) -> None:
         # ``module: Any``: a module of another type reaches the named check (ArgumentError), not a type hook
         _check_module(type(self), module)
+        if module.cfg.activation != "topk":
+            raise ConfigMismatchError(
+                f"LorsaObjective: the Lorsa's activation is {module.cfg.activation!r}; this trainer trains top-k "
+                "Lorsas (the paper's), not learned JumpReLU thresholds (Llamascopium's straight-through estimator). "
+                "Train a top-k Lorsa, or train this one with Llamascopium")
         super().__init__(module)
         self.mhsa = mhsa
         self.recipe = recipe or LorsaRecipe()

@@ -1,8 +1,8 @@
 """``attribute(rm, tracer=tracer)`` of a traced pass whose MLPs are replaced by a cross-layer transcoder (CLT), with
 CLT features edited.
 
-A CLT's features are not targets of :mod:`nnsight_lorsa.patching` (``ConfigMismatchError`` at the edit, also inside
-an attributed trace); they are edited on the CLT's envoy (``model.clt.hook_sae_acts_post[layer]``, in layer order).
+A CLT's features are edited on the CLT's envoy (``model.clt.hook_sae_acts_post[layer]``, in layer order) or, since
+2026-11-29, through :mod:`nnsight_lorsa.patching` (``Feature(layer, index, kind="transcoder")``: the same edit).
 Such an edit, like any edit made directly on an envoy, enters the graph through the node values and error nodes, and
 is found by value and marked (docs/attribution.md, "Attributing an intervened pass"; unmarked until 2026-11-26): every
 CLT node holds the feature as the pass used it (a steered one its steered value, held as a marked fixed input; an
@@ -19,7 +19,6 @@ from helpers import assert_same_nodes, attribution_setup, demeaned_logits, make_
 
 from nnsight_lorsa.attribution import Graph, attribute
 from nnsight_lorsa.attribution.graph import TRANSCODER
-from nnsight_lorsa.errors import ConfigMismatchError
 from nnsight_lorsa.patching import Feature, ablate, steer
 
 N_LAYERS = 3
@@ -130,26 +129,35 @@ def test_a_clt_feature_ablated_on_its_envoy_leaves_the_graph(clt_tiny):
 
 
 @pytest.mark.parametrize("edit", ["steer", "ablate"])
-def test_a_clt_feature_is_no_patching_target_in_an_attributed_trace(clt_tiny, edit):
-    """``steer`` / ``ablate`` of a CLT feature through :mod:`nnsight_lorsa.patching` inside an attributed trace: a
-    named error at the edit, naming the feature and the envoy to edit instead; the model then attributes a traced
-    pass as before (the clean graph)."""
+def test_a_clt_feature_edited_through_patching_gives_the_graph_of_the_envoy_edit(clt_tiny, edit):
+    """``steer`` / ``ablate`` of a CLT feature through :mod:`nnsight_lorsa.patching` inside an attributed trace (a
+    named error until 2026-11-29: a CLT's features were no patching targets): the same graph as the same edit made on
+    the CLT's envoy (:func:`edited_pass`) — the same nodes, edges, values and logits."""
     model, bundle, ids, clean = clt_tiny
     last = int(ids.numel()) - 1
-    feature, _ = top_feature(clean, 0, last)
-    with (pytest.raises(ConfigMismatchError, match=r"Feature\(site=0, .*cross-layer transcoder.*"
-                                                   r"hook_sae_acts_post\[layer\]"),
-          model.trace(ids) as tracer):
+    feature, before = top_feature(clean, 0, last)
+    want, _, want_logits = edited_pass(model, bundle, ids, 0, feature, None if edit == "steer" else 0.0)
+    with model.trace(ids) as tracer:
         bundle.replace()
-        attribute(bundle, tracer=tracer, batch_size=40)
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
         target = bundle(Feature(0, feature, kind="transcoder"))
         if edit == "steer":
             steer(target, 2.0, positions=last)
         else:
             ablate(target, positions=last)
-    with model.trace(ids) as tracer:
-        bundle.replace()
-        handle = attribute(bundle, tracer=tracer, batch_size=40)
+        logits = nnsight.save(model.lm_head.output)
     graph = handle.graph
-    assert_same_nodes(graph, clean)
-    assert relative(graph.densify(), clean.densify()) < 1e-5
+    assert torch.equal(logits, want_logits)
+    assert graph.nodes.intervened.sum() == 1 and len(graph.meta["intervened"]) == 1
+    assert graph.edge_sum_error("mass").max() < max(1e-6, 2 * float(clean.edge_sum_error("mass").max()))
+    if edit == "ablate":  # a patching edit is a marked node whatever its value (an envoy edit to 0: no node)
+        i = int(graph.nodes.intervened.nonzero().item())
+        assert float(graph.nodes.activation[i]) == 0.0 and not bool(graph.densify()[i].any())
+        keep = torch.ones(len(graph.nodes.kind), dtype=torch.bool)
+        keep[i] = False
+        for name in ("kind", "layer", "pos", "index"):
+            assert torch.equal(getattr(graph.nodes, name)[keep], getattr(want.nodes, name)), name
+        assert relative(graph.densify()[keep][:, keep], want.densify()) < 1e-5
+    else:
+        assert_same_nodes(graph, want)
+        assert relative(graph.densify(), want.densify()) < 1e-5

@@ -526,10 +526,16 @@ def _write(tmp_path, name, cfg_over=None, edit_params=None, **kw):
             ["local"],
         ),
         (
-            "jumprelu",
+            "jumprelu-without-thresholds",  # act_fn jumprelu is read (2026-11-29); its thresholds must be there
             lambda t: _write(t, "g", {"act_fn": "jumprelu"}),
+            CheckpointError,
+            ["activation_function.log_jumprelu_threshold", "jumprelu"],
+        ),
+        (
+            "batchtopk",
+            lambda t: _write(t, "g2", {"act_fn": "batchtopk"}),
             UnsupportedArchitectureError,
-            ["jumprelu"],
+            ["batchtopk"],
         ),
         (
             "ln-qk-norm",

@@ -34,7 +34,6 @@ CASES = sorted(p.parent for p in FIXTURES.rglob("config.json") if "reverse" not 
 AMBIGUOUS = "does not say whether the weights in sae_weights.safetensors are folded"
 #: case -> (error, what the message must say)
 REFUSED: dict[str, tuple[type[Exception], str]] = {
-    "jumprelu": (UnsupportedArchitectureError, "act_fn='jumprelu' is not supported"),
     "batchtopk": (UnsupportedArchitectureError, "act_fn='batchtopk' is not supported"),
     "token_wise": (UnsupportedArchitectureError, "norm_activation='token-wise' rescales each input"),
     # dataset-wise files outside a trainer checkpoint: the files cannot tell folded from unfolded

@@ -41,8 +41,8 @@ Conventions that differ, and how each is aligned (``aligned`` in each case's JSO
 - The same on both sides (nothing to align): position 0 (BOS) kept as nodes, attention patterns, norm scales and
   QK-norm scales frozen, the target is the mean-subtracted logit. Their QK output keeps top-k terms, ours the full
   marginals and pair matrix: compared on their terms.
-- A Lorsa with ``act_fn: jumprelu`` (c9): their attribution runs it; our loader refuses the file by name
-  (``UnsupportedArchitectureError``, "act_fn='jumprelu' is not supported"): an expected refusal.
+- A Lorsa with ``act_fn: jumprelu`` (c9): their attribution runs it; our loader refused the file by name until
+  2026-11-29 and reads it since (a JumpReLU Lorsa): the graphs agree as the others.
 
 A case is as expected when (``expect``) ``agree``: the node sets are equal (but ``mlp_err``, absent on their side
 in Lorsa-only cases), no edge mismatch, and every relative difference (values, edges, closed row sums, QK
@@ -114,8 +114,8 @@ CASES: dict[str, tuple[str, dict[str, Any], str, str]] = {
            "Lorsa QK-norm + NTK-by-parts RoPE, 2 QK heads; JumpReLU transcoders"),
     "c8": ("llama", {"tokens": TOKENS_12, "seed": 8, "qk_frac": 1.0, "qk_scale": 0.3, "lorsa_k": 3}, "agree",
            "12 tokens, peaked attention (W_Q/W_K scale 0.3), Lorsa top-3"),
-    "c9": ("llama", {"tokens": TOKENS, "seed": 9, "qk_frac": 1.0, "lorsa_act": "jumprelu"}, "refused",
-           "JumpReLU Lorsa: ours refuses the file"),
+    "c9": ("llama", {"tokens": TOKENS, "seed": 9, "qk_frac": 1.0, "lorsa_act": "jumprelu"}, "agree",
+           "JumpReLU Lorsa (act_fn: jumprelu)"),
 }
 #: model -> (class, config class, seed, folder under WORK/models: no "llama", "gemma", ... in it, see their_side.py)
 MODELS = {"llama": ("LlamaForCausalLM", "LlamaConfig", 1, "m_tiny_l"),
