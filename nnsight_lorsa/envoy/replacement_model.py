@@ -355,13 +355,13 @@ class ReplacementModel:
 
         Raises:
             LayerOutOfRangeError, TargetIndexError, ConfigMismatchError: as :meth:`check`, for each target, before
-                anything is spliced (a CLT's feature: how to edit it on the CLT's envoy instead).
+                anything is spliced.
 
         Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
         none).
         """
         targets = set(targets)
-        for t in targets:  # named errors before anything is spliced (a CLT feature: not a target, and how to edit it)
+        for t in targets:  # named errors before anything is spliced (a wrong layer or index, a missing set)
             self.check(t)
         arm_padding_check(self.model)
         for t in self.sort(targets):
