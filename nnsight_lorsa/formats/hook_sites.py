@@ -312,6 +312,10 @@ def _extra(module: Any) -> dict[str, Any]:
     return extra if isinstance(extra, dict) else {}
 
 
+#: a SAELens ``hf_hook_name`` that is the MLP module's input (Gemma-2/3's pre-MLP norm's output)
+_HF_MLP_INPUT_SUFFIX = ".pre_feedforward_layernorm.output"
+
+
 def hook_record(module: Any) -> dict[str, Any]:
     """The hook record of a transcoder / CLT (a :class:`~nnsight_lorsa.modules.clt.CLTLayer`'s through its
     ``clt``): circuit-tracer's ``feature_input_hook`` / ``feature_output_hook``, else the same keys from the hook
@@ -328,7 +332,13 @@ def hook_record(module: Any) -> dict[str, Any]:
                 "feature_output_hook": _tl_suffix(llamascopium.get("hook_point_out"))}
     if isinstance(saelens, dict) and isinstance(saelens.get("hook_name"), str):
         out = saelens.get("hook_name_out")
-        return {"feature_input_hook": _tl_suffix(saelens["hook_name"]),
+        hook_in = _tl_suffix(saelens["hook_name"])
+        if str(saelens.get("hf_hook_name", "")).endswith(_HF_MLP_INPUT_SUFFIX):
+            # the Hugging Face tensor it was trained on, where SAELens's TransformerLens name says another: GemmaScope-2
+            # transcoders (conversion_func gemma_3) name hook_mlp_in (the residual before the norm) and record
+            # pre_feedforward_layernorm.output, the MLP's input (pretrained_sae_loaders.py)
+            hook_in = MLP_INPUT_HOOKS[0]
+        return {"feature_input_hook": hook_in,
                 **({"feature_output_hook": _tl_suffix(out)} if isinstance(out, str) and out else {})}
     hookpoint = sparsify.get("hookpoint") if isinstance(sparsify, dict) else None
     # a sparsify transcoder reads its hookpoint's input: the MLP's for layers.L.mlp (sparsify_hookpoint_site), else

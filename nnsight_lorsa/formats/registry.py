@@ -9,7 +9,10 @@ format                  files that identify it                                  
 ======================  ==========================================================  =============================
 ``nnsight_lorsa``       ``config.json`` + ``model.safetensors``                     ``config.json`` ``format`` tag
 ``llamascopium``        ``config.json`` + ``sae_weights.safetensors``               ``config.json`` ``sae_type``
-``saelens``             ``cfg.json`` + ``sae_weights.safetensors``                  (one reader)
+``saelens``             ``cfg.json`` + ``sae_weights.safetensors``; or              ``cfg.json`` present: SAELens's
+                        ``params.safetensors`` + ``config.json`` with               layout; else SAELens's
+                        ``"architecture": "jump_relu"``, or no ``config.json`` and  ``gemma_3`` converter
+                        a folder name with ``layer_<L>`` and a hook word            (GemmaScope-2)
 ``sparsify``            ``cfg.json`` + ``sae.safetensors``                          (one reader)
 ``circuit_tracer``      ``config.yaml``, or ``layer_0.safetensors`` / ``W_enc_0…``  ``config.yaml`` ``model_kind``
 ``sparse_attention``    ``sparse_attention.json`` + ``…_attention.safetensors``    (one reader: the gates)
@@ -154,9 +157,18 @@ register_format(Format(
     (llamascopium.READER, llamascopium_sae.READER),
     _by_config_key("config.json", "sae_type", {"lorsa": llamascopium.READER}, llamascopium_sae.READER),
     ((Lorsa, llamascopium.save_llamascopium_lorsa),)))
+def _saelens_reader(directory: Path) -> Reader:
+    """SAELens's own layout where ``cfg.json`` is there, else its ``gemma_3`` converter's where
+    ``params.safetensors`` is (:mod:`.saelens_releases`)."""
+    gemma_3 = (directory / saelens_releases.GEMMA_3_WEIGHTS).is_file() and not (directory / saelens.CFG_FILE).is_file()
+    return saelens_releases.GEMMA_3_READER if gemma_3 else saelens.READER
+
+
 register_format(Format(
-    "saelens", "cfg.json + sae_weights.safetensors", _files(saelens.CFG_FILE, saelens.WEIGHTS_FILE),
-    (saelens.READER,), _one(saelens.READER), ((_SPARSE, saelens.save_saelens),)))
+    "saelens", "cfg.json + sae_weights.safetensors, or params.safetensors + config.json (architecture jump_relu) "
+    "or a GemmaScope-2 folder name (layer_<L>, resid_post / attn_out / mlp_out / transcoder)",
+    lambda d: _files(saelens.CFG_FILE, saelens.WEIGHTS_FILE)(d) or saelens_releases.has_gemma_3_files(d),
+    (saelens.READER, saelens_releases.GEMMA_3_READER), _saelens_reader, ((_SPARSE, saelens.save_saelens),)))
 register_format(Format(
     "sparsify", "cfg.json + sae.safetensors", _files(sparsify.CFG_FILE, sparsify.WEIGHTS_FILE),
     (sparsify.READER,), _one(sparsify.READER), ((_SPARSE, sparsify.save_sparsify),)))
@@ -237,7 +249,8 @@ def load(
         sae_id: an SAE id of the SAELens release ``path_or_repo_id`` (``SAE.from_pretrained(release,
             sae_id)``): resolved through SAELens's registry (:mod:`.saelens_releases`; the installed
             sae-lens's, or ``release_registry=<pretrained_saes.yaml>``), loaded as ``"saelens"`` with
-            the registry's ``norm_scaling_factor`` (unless given) and ``config_overrides``.
+            the registry's ``norm_scaling_factor`` (unless given) and ``config_overrides`` (a
+            ``conversion_func: gemma_3`` release, GemmaScope-2: by that converter's reader).
         format: ``"auto"`` (detect, module table) or a name in :data:`FORMATS` (``"nnsight_lorsa"``,
             ``"llamascopium"``, ``"saelens"``, ``"sparsify"``, ``"circuit_tracer"``).
         subfolder: a folder inside ``path_or_repo_id`` (local or hub; a sparsify hookpoint, a SAELens id).
@@ -247,7 +260,8 @@ def load(
         local_files_only, revision: passed to ``huggingface_hub.snapshot_download``.
         options: the reader's own: ``d_model`` and ``adapter`` (sparse coders; dropped for readers that
             take neither), ``norm_scaling_factor`` (saelens), ``weights_folded`` (llamascopium),
-            ``layer`` (llamascopium Lorsa); ``release_registry`` (with ``sae_id``).
+            ``layer`` (llamascopium Lorsa); ``folder`` / ``repo_id`` (saelens, GemmaScope-2 folders: SAELens's
+            folder name and repo, set by a release); ``release_registry`` (with ``sae_id``).
 
     Returns:
         :class:`~nnsight_lorsa.modules.lorsa.Lorsa`, :class:`SparseAutoencoder`, :class:`Transcoder`
@@ -299,6 +313,9 @@ def _load_release(release: str, sae_id: str, *, format: str, subfolder: str | No
         options.setdefault("norm_scaling_factor", entry.norm_scaling_factor)
     if entry.config_overrides:
         options.setdefault("config_overrides", entry.config_overrides)
+    if entry.conversion_func is not None:  # the converter reads SAELens's folder_name and repo_id
+        options.setdefault("folder", entry.path)
+        options.setdefault("repo_id", entry.repo_id)
     module = load(entry.repo_id, format="saelens", subfolder=entry.path, **options)
     module.cfg.extra["saelens"].update(release=release, sae_id=sae_id, repo_id=entry.repo_id, path=entry.path)
     return module

@@ -150,7 +150,7 @@ RESCALE = Field("rescale_acts_by_decoder_norm", bool, False)
 WHITENING_TENSORS = TensorSpec({"mean": ("d_in",), "matrix": ("d_in", "d_in"), "inverse_matrix": ("d_in", "d_in")})
 
 __all__ = ["ARCHITECTURES", "D_OUT", "FIELDS", "READER", "REFUSED", "RESCALE", "WHITENING_TENSORS", "build",
-           "load_saelens", "load_weights", "parse_config", "save_saelens"]
+           "convert_state", "load_saelens", "load_weights", "parse_config", "parse_raw_config", "save_saelens"]
 
 
 def _architecture(raw: dict[str, Any], path: Path) -> str:
@@ -378,6 +378,21 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
     """
     cfg_path = directory / CFG_FILE
     raw = _pre6_config({**read_json_object(cfg_path), **(config_overrides or {})})  # overrides: a release's
+    return parse_raw_config(directory, raw, cfg_path, norm_scaling_factor=norm_scaling_factor, d_model=d_model,
+                            adapter=adapter)
+
+
+def parse_raw_config(directory: Path, raw: dict[str, Any], cfg_path: Path, *, norm_scaling_factor: float | None = None,
+                     d_model: int | None = None, adapter: Any = None, weights_file: str = WEIGHTS_FILE) -> Parsed:
+    """A SAELens config dict (as SAELens holds it after ``handle_config_defaulting``: a ``cfg.json`` read by
+    :func:`parse_config`, or the dict one of SAELens's converters builds, :mod:`.saelens_releases`) ->
+    ``Parsed``; errors name ``cfg_path``, the weights are ``directory / weights_file``.
+
+    Raises:
+        CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: as :func:`parse_config`.
+
+    Source: SAELens ``sae_lens/saes/sae.py`` (``SAEConfig.from_dict``), ``sae_lens/saes/*.py``.
+    """
     arch = _architecture(raw, cfg_path)
     kind, activation = ARCHITECTURES[arch]
     fields = read_fields(raw, cfg_path, FIELDS)
@@ -426,7 +441,8 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
         "architecture": arch, "kind": kind, "norm_scaling_factor": norm_scaling_factor,
         "cfg_dtype": getattr(torch, str(raw["dtype"]).removeprefix("torch.")) if "dtype" in raw else None,
         "fold_decoder_norm": activation in ("topk", "batchtopk", "abstopk") and RESCALE.read(raw, cfg_path),
-        "source": f"{CFG_FILE} (architecture {arch!r}, d_in={d_in}, d_sae={d_sae}, d_out={d_out})"})
+        "weights_file": weights_file,
+        "source": f"{cfg_path.name} (architecture {arch!r}, d_in={d_in}, d_sae={d_sae}, d_out={d_out})"})
 
 
 def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
@@ -438,10 +454,22 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
         CheckpointError: a missing/corrupt file, a tensor the architecture needs.
     """
     weights_path = directory / WEIGHTS_FILE
-    arch = parsed.settings["architecture"]
     read_safetensors_header(weights_path)
     state = load_safetensors(weights_path)
     check_file_tensors(weights_path, state)
+    return convert_state(state, weights_path, parsed)
+
+
+def convert_state(state: dict[str, torch.Tensor], weights_path: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
+    """A state dict in SAELens's names (``W_enc``, ``threshold``, …; read from ``weights_path``) in ours, as
+    :func:`load_weights` describes; the dict is changed in place and returned.
+
+    Raises:
+        CheckpointError: a tensor the architecture needs is missing (naming ``weights_path``).
+
+    Source: SAELens ``sae_lens/saes/sae.py`` (``read_sae_components_from_disk``, ``process_state_dict_for_loading``).
+    """
+    arch = parsed.settings["architecture"]
     scale = state.get("scaling_factor")
     if scale is not None and scale.is_floating_point() and torch.allclose(scale.float(), torch.ones_like(scale,
                                                                                                dtype=torch.float32)):
@@ -478,7 +506,7 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
         # stored under "dtype": "float32" were run in bf16 here until 2026-11-29, 3.7e-3 relative off)
         dtype = torch.promote_types(stored.dtype, settings["cfg_dtype"])
     module: SparseAutoencoder | Transcoder = parsed.build_module(
-        cls, state, WEIGHTS_FILE, device=device, dtype=dtype)
+        cls, state, settings.get("weights_file", WEIGHTS_FILE), device=device, dtype=dtype)
     extra = cfg.extra["saelens"]
     # SAELens's order: its trainer folds the data statistics first, its inference export the decoder norm — but a
     # TopK-family SAE rescaled by its decoder norm folds that norm before the whitening (TopKSAE.
