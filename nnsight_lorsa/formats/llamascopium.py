@@ -560,6 +560,10 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
             if key in w:
                 w[key] = w[key] / scales["hook_point_out"]
     if settings["sparsity_include_decoder_norm"]:
+        if not settings["folded"] and "threshold" in w:
+            # their JumpReLU gates hidden_pre · ‖W_O‖ of the unfolded W_O; ours gates z · ‖W_O / s_out‖ (the norm
+            # measured below, after the dataset fold): the same heads where θ is divided by s_out as well
+            w["threshold"] = w["threshold"] / scales["hook_point_out"]
         dec = w["W_O"].norm(dim=1).clamp_min(torch.finfo(work_dtype).tiny)
         w["W_O"] = w["W_O"] / dec[:, None]
         w["W_V"] = w["W_V"] * dec[:, None]
@@ -712,6 +716,7 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
         doc.update(act_fn="jumprelu")
         del doc["top_k"]
         state[JUMPRELU_KEY] = threshold.double().log().to(threshold.dtype)
+    state["mask"] = torch.ones(n_ctx, n_ctx, dtype=torch.bool, device="cpu").tril()
     state["IGNORE"] = torch.tensor(-torch.inf, device="cpu")
     rot = cfg.rotary
     if rot is not None:

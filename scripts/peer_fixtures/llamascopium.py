@@ -178,6 +178,8 @@ def main(out: Path) -> None:
                                     old_context_len=8, norm_activation="inference"),
           "llama3 NTK-by-parts RoPE, inference")
     saved(out, "jumprelu", make(seed=7, act_fn="jumprelu", norm_activation="inference"), "JumpReLU Lorsa")
+    saved(out, "jumprelu_dataset_wise", make(seed=11, act_fn="jumprelu"),
+          "JumpReLU Lorsa, dataset-wise, unfolded, sparsity_include_decoder_norm (their default)")
     saved(out, "batchtopk", make(seed=8, act_fn="batchtopk", norm_activation="inference"), "BatchTopK Lorsa")
     saved(out, "token_wise", make(seed=9, norm_activation="token-wise"), "token-wise norm")
 

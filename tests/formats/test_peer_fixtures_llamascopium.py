@@ -39,6 +39,7 @@ REFUSED: dict[str, tuple[type[Exception], str]] = {
     # dataset-wise files outside a trainer checkpoint: the files cannot tell folded from unfolded
     "save_pretrained_dataset_wise": (CheckpointError, AMBIGUOUS),
     "bf16_dataset_wise": (CheckpointError, AMBIGUOUS),
+    "jumprelu_dataset_wise": (CheckpointError, AMBIGUOUS),
     "train_lorsa_output": (CheckpointError, AMBIGUOUS),
 }
 BOUND = 1e-5
@@ -86,7 +87,8 @@ def test_peer_file(case: Path) -> None:
     _check(case)
 
 
-@pytest.mark.parametrize("name", ["save_pretrained_dataset_wise", "bf16_dataset_wise"])
+@pytest.mark.parametrize("name", ["save_pretrained_dataset_wise", "bf16_dataset_wise",
+                                  "jumprelu_dataset_wise"])  # its thresholds gate z·‖W_O‖ before the fold (÷ s_out)
 def test_unfolded_save_matches_with_weights_folded_false(name: str) -> None:
     _check(FIXTURES / name, weights_folded=False)
 
@@ -266,3 +268,22 @@ def test_rotary_scale_without_rope_changes_nothing_and_keeps_the_stored_head_siz
     x = load_file(str(src / "ours_outputs.safetensors"))["x"]
     with torch.no_grad():
         assert torch.equal(repeated(x), base(x))
+
+
+@pytest.mark.parametrize("name", ["folded_inference", "jumprelu", "relu_neox_qknorm"])
+def test_our_writer_writes_the_tensors_their_strict_load_needs(name: str, tmp_path: Path) -> None:
+    """``save(..., format="llamascopium")`` of a Lorsa read from their file writes the tensors of that file, buffers
+    (``mask``, ``IGNORE``, rotary tables) included — their ``from_pretrained`` loads strictly (``mask`` went missing
+    for a commit on 2026-11-29: "Missing key(s) in state_dict: mask" there) — but the dataset-norm scalars, which an
+    ``inference`` file does not need (the reverse fixtures, read by their loader)."""
+    from safetensors import safe_open
+
+    from nnsight_lorsa import save
+
+    save(load(FIXTURES / name), tmp_path / "ours", format="llamascopium")
+    with safe_open(str(tmp_path / "ours" / "sae_weights.safetensors"), framework="pt") as f:
+        ours = set(f.keys())
+    with safe_open(str(FIXTURES / name / "sae_weights.safetensors"), framework="pt") as f:
+        stored = set(f.keys())
+    theirs = {k for k in stored if not k.startswith("dataset_average_activation_norm.")}
+    assert ours == theirs, (sorted(theirs - ours), sorted(ours - theirs))
