@@ -310,7 +310,11 @@ def gemma_3_cfg_dict(directory: Path, *, folder: str | None = None, repo_id: str
         raw, source = read_json_object(cfg_path), cfg_path
     else:
         source = weights
-        raw = _infer_raw_cfg(repo_id if repo_id is not None else directory.parent.parent.name, name, source)
+        # the repo's name (owner/name, or a local directory laid out as it: its last part), as SAELens's hub repo id
+        repo = repo_id if repo_id is not None else directory.parent.parent.name
+        if Path(repo).is_absolute() or repo.count("/") > 1:
+            repo = Path(repo).name
+        raw = _infer_raw_cfg(repo, name, source)
     if raw.get("architecture") != "jump_relu":
         raise UnsupportedArchitectureError(f"{source}: key 'architecture' is {raw.get('architecture')!r}; a "
                                            "GemmaScope-2 (gemma_3) folder is 'jump_relu'")
@@ -343,6 +347,13 @@ def gemma_3_cfg_dict(directory: Path, *, folder: str | None = None, repo_id: str
         affine = raw.get("affine_connection", False)
         require(isinstance(affine, bool), source, f"key 'affine_connection' must be true or false, got {affine!r}")
         architecture = "jumprelu_skip_transcoder" if affine else "jumprelu_transcoder"
+        # SAELens names the input hook_mlp_in (the residual before the norm) whatever the tensor; hf_hook_point_in says
+        # which it was trained on: the MLP's input (pre_feedforward_layernorm.output) is what this package reads
+        # (hook_sites.hook_record); another, or none, would be read off the wrong tensor
+        want = f"model.layers.{layer}.pre_feedforward_layernorm.output"
+        require(raw.get("hf_hook_point_in") == want, source,
+                f"key 'hf_hook_point_in' is {raw.get('hf_hook_point_in')!r}; a GemmaScope-2 transcoder of layer "
+                f"{layer} is read at {want!r} (the MLP's input); another tensor, or none named, cannot be placed")
         dec = shapes.get("w_dec")
         require(dec is not None and len(dec) >= 1, weights, "no tensor 'w_dec' (d_sae, d_out)")
         assert dec is not None

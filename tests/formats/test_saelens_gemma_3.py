@@ -298,3 +298,32 @@ def test_transcoders_read_the_tensor_their_hf_hook_name_records(tmp_path: Path, 
     with torch.no_grad():
         want = tc(seen[0])
     assert float(want.abs().max()) > 0 and rel_error(recons, want) <= REL
+
+
+@pytest.mark.parametrize("hf_in", [None, "model.layers.1.output", "model.layers.2.pre_feedforward_layernorm.output"])
+def test_a_transcoder_whose_config_names_another_input_is_refused(tmp_path: Path, hf_in: Any) -> None:
+    """A transcoder folder whose ``config.json`` names no ``hf_hook_point_in``, another tensor or another layer's
+    (a helper's fuzz, 2026-11-29: read off the residual before the norm, 0.4–0.64 off in the logits): refused by name
+    (the MLP's input of its layer is what a set reads)."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "gemma-scope-2-tiny-pt" / "transcoder" / "layer_1_width_16k_l0_small"
+    folder.mkdir(parents=True)
+    save_file({"w_enc": torch.ones(4, 6), "w_dec": torch.ones(6, 4), "b_enc": torch.zeros(6), "b_dec": torch.zeros(4),
+               "threshold": torch.zeros(6)}, str(folder / "params.safetensors"))
+    cfg = {"architecture": "jump_relu", "model_name": "gemma-3-tiny-pt", "affine_connection": False}
+    if hf_in is not None:
+        cfg["hf_hook_point_in"] = hf_in
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="hf_hook_point_in"):
+        load(folder)
+
+
+def test_a_local_repo_names_the_model_by_its_last_part(tmp_path: Path) -> None:
+    """Without ``config.json`` the model name comes from the repo id; a registry whose repo is a local directory
+    named it by the whole path (``google//tmp/…``); now by its last part, as SAELens's hub id."""
+    from nnsight_lorsa.formats.saelens_releases import gemma_3_cfg_dict
+
+    folder = "mlp_out/layer_2_width_16k_l0_small"
+    cfg, _ = gemma_3_cfg_dict(REPO / folder, folder=folder, repo_id=str(tmp_path / "gemma-scope-2-12b-pt"))
+    assert cfg["model_name"] == "google/gemma-3-12b-pt"
