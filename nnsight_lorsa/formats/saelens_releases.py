@@ -31,7 +31,8 @@ config dict and state dict SAELens's ``gemma_3_sae_huggingface_loader`` builds a
 The hook name comes from the folder name (``layer_<L>`` and, in this order: ``resid_post`` ->
 ``blocks.L.hook_resid_post``, ``attn_out`` -> ``blocks.L.attn.hook_z``, ``mlp_out`` -> ``blocks.L.hook_mlp_out``,
 ``transcoder`` -> ``blocks.L.hook_mlp_in`` / ``hook_mlp_out``: ``jumprelu_skip_transcoder`` when the config's
-``affine_connection`` is true, else ``jumprelu_transcoder``). CLT folders (``clt`` in the name; SAELens reads
+``affine_connection`` is true, else ``jumprelu_transcoder``; read at ``hf_hook_point_in``, which must be that layer's
+``pre_feedforward_layernorm.output``, the MLP's input). CLT folders (``clt`` in the name; SAELens reads
 ``<leaf>.safetensors`` and sums ``w_dec (d_sae, n_layers, d_out)`` over the layers, which makes a single-layer
 transcoder that is not the CLT) are refused. Other converters (Gemma Scope ``.npz``, dictionary_learning, …) are
 refused by name; where one of our formats reads those files, ``load(repo_id, subfolder=path, format=...)`` loads
