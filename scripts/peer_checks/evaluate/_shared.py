@@ -6,13 +6,15 @@ this folder first on ``sys.path``.
 
 from __future__ import annotations
 
-import json
-import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/peer_checks: peer_io
+from peer_io import clear_work, finite, read_json, write_json  # noqa: E402, F401  (after the path it is found on)
 
 #: token ids of the tiny GPT-2 (EOS never occurs in the windows: the other ids are drawn from 4 … VOCAB-1)
 BOS_ID, EOS_ID, PAD_ID = 1, 2, 3
@@ -80,21 +82,3 @@ def randomize_(tensors: dict[str, torch.Tensor], order: tuple[str, ...] | list[s
             tensors["threshold"].abs_().mul_(0.5)
 
 
-def finite(obj: Any) -> Any:
-    """``obj`` with every non-finite float replaced by ``None`` (strict JSON)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [finite(v) for v in obj]
-    return obj
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(finite(obj), indent=1) + "\n")
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())

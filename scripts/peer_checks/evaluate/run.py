@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,13 +111,7 @@ SAELENS_COMPARISONS = {
 
 def prepare_work(work: Path) -> None:
     """``work`` created, with the entries this script writes there removed (nothing else is touched)."""
-    work.mkdir(parents=True, exist_ok=True)
-    for entry in WORK_ENTRIES:
-        path = work / entry
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    _shared.clear_work(work, WORK_ENTRIES)
 
 
 def build_model_and_tokens(work: Path) -> None:

@@ -6,13 +6,15 @@ circuit-tracer's and SAELens's interpreters (which do not have nnsight-lorsa) im
 
 from __future__ import annotations
 
-import json
-import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/peer_checks: peer_io
+from peer_io import clear_work, finite, read_json, write_json  # noqa: E402, F401  (after the path it is found on)
 
 # ------------------------------------------------------------------------------------------------------------ models
 #: the word-level tokenizer of both models: ``<bos>`` 0 (also EOS), ``<unk>`` 1, ``w0`` … ``w37`` = 2 … 39
@@ -84,24 +86,6 @@ def plan(work: Path) -> dict[str, Any]:
     return read_json(work / "plan.json")
 
 
-def finite(obj: Any) -> Any:
-    """``obj`` with every non-finite float replaced by ``None`` (strict JSON)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [finite(v) for v in obj]
-    return obj
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(finite(obj), indent=1) + "\n")
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -118,7 +118,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -145,13 +144,7 @@ COMMAND = ("python scripts/peer_checks/interventions/run.py --circuit-tracer-pyt
 # ------------------------------------------------------------------------------------------------------------ setup
 def prepare_work(work: Path, full: bool) -> None:
     """``work`` created, with the entries this script writes there removed (nothing else is touched)."""
-    work.mkdir(parents=True, exist_ok=True)
-    for entry in WORK_ENTRIES:
-        path = work / entry
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    S.clear_work(work, WORK_ENTRIES)
     S.write_json(work / "plan.json", {"full": full})
 
 
