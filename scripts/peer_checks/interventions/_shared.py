@@ -86,6 +86,20 @@ def plan(work: Path) -> dict[str, Any]:
     return read_json(work / "plan.json")
 
 
+def start_peer_side() -> tuple[Path, bool, Any]:
+    """A peer side's start (``circuit_tracer_side.py``, ``saelens_side.py``): :func:`setup`, warnings off, and
+    ``(work, full, the random GPT-2 in eval mode)`` from ``argv[1]`` and its plan."""
+    import warnings
+
+    from transformers import GPT2LMHeadModel
+
+    setup()
+    warnings.filterwarnings("ignore")
+    work = Path(sys.argv[1])
+    hf = GPT2LMHeadModel.from_pretrained(str(model_dir(work, "gpt2"))).eval()
+    return work, bool(plan(work)["full"]), hf
+
+
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

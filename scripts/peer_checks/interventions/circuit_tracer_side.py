@@ -12,8 +12,6 @@ subset is the same case as in ``--full``.
 from __future__ import annotations
 
 import random
-import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -353,13 +351,7 @@ def group_ct_llama(work: Path, full: bool) -> None:
 
 
 def main() -> None:
-    S.setup()
-    warnings.filterwarnings("ignore")
-    work = Path(sys.argv[1])
-    full = bool(S.plan(work)["full"])
-    from transformers import GPT2LMHeadModel
-
-    hf = GPT2LMHeadModel.from_pretrained(str(S.model_dir(work, "gpt2"))).eval()
+    work, full, hf = S.start_peer_side()
     mods = gpt2_modules(S.side_dir(work, "circuit_tracer", "gpt2_modules"))
     group_ct_gpt2(work, hf, mods, full)
     group_ct_constrained(work, hf, mods, full)

@@ -14,8 +14,6 @@ case of the default subset is the same case as in ``--full``.
 from __future__ import annotations
 
 import random
-import sys
-import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -444,13 +442,7 @@ def group_centred_pair(work: Path, hf: Any) -> None:
 
 
 def main() -> None:
-    S.setup()
-    warnings.filterwarnings("ignore")
-    work = Path(sys.argv[1])
-    full = bool(S.plan(work)["full"])
-    from transformers import GPT2LMHeadModel
-
-    hf = GPT2LMHeadModel.from_pretrained(str(S.model_dir(work, "gpt2"))).eval()
+    work, full, hf = S.start_peer_side()
     group_stacked(work, hf, "sl_gpt2", full)
     group_stacked(work, hf, "sl_centred", full)
     group_transcoders(work, hf, full)
