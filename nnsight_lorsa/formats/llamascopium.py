@@ -641,6 +641,38 @@ def load_llamascopium_lorsa(directory: str | os.PathLike[str], **kwargs: Any) ->
     return read(READER, directory, **kwargs)  # type: ignore[no-any-return]
 
 
+def _their_cos_sin(doc: dict[str, Any], n_ctx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rotary_cos, rotary_sin)`` ``(n_ctx, rotary_dim)`` as their ``LowRankSparseAttention.__init__`` builds them for
+    the config ``doc`` and a module of ``dtype`` (``_calculate_sin_cos_rotary``: angles ``pos / freq`` in fp32, fp64
+    for an fp64 module, then cast). Ours (``pos * inv_freq``) agree to fp32 rounding, which can move a bf16 value by one
+    step (4 of 4096 entries at n_ctx 128, rotary_dim 32; 18 of 16384 at n_ctx 2048, rotary_dim 8).
+
+    Source: Llamascopium 2.0.0b34 ``llamascopium/models/lorsa.py`` (``_calculate_sin_cos_rotary``).
+    """
+    high = torch.float64 if dtype == torch.float64 else torch.float32
+    rotary_dim, base = int(doc["rotary_dim"]), doc["rotary_base"]
+    pos = torch.arange(n_ctx, dtype=high, device="cpu")
+    dim = torch.arange(rotary_dim // 2, dtype=high, device="cpu")
+    if doc["use_NTK_by_parts_rope"]:
+        even = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+        inv_freq = 1.0 / (base ** (even / rotary_dim))
+        factor, old = doc["NTK_by_parts_factor"], doc["old_context_len"]
+        low, high_f = doc["NTK_by_parts_low_freq_factor"], doc["NTK_by_parts_high_freq_factor"]
+        low_wavelen, high_wavelen = old / low, old / high_f
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high_f - low)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        freq = 1 / torch.where(is_medium, smoothed, inv_freq_llama)
+    else:
+        freq = base ** (dim / (rotary_dim / 2))
+    # einops.repeat "d -> (d 2)" (adjacent pairs) / "d -> (2 d)" (half-split)
+    freq = freq.repeat_interleave(2) if doc["rotary_adjacent_pairs"] else freq.repeat(2)
+    angles = pos[:, None] / freq[None, :]
+    return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+
+
 def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, hook_point_in: str | None = None,
                             hook_point_out: str | None = None, n_ctx: int | None = None, model: Any = None) -> Path:
     """Write ``lorsa`` as Llamascopium does (``config.json`` + ``sae_weights.safetensors``), readable by
@@ -649,8 +681,10 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
     The config says ``norm_activation: "inference"`` (our weights map raw activations) and
     ``sparsity_include_decoder_norm: false`` (our top-k ranks ``z`` itself); the buffers ``mask``,
     ``IGNORE``, ``rotary_sin/cos`` ``(n_ctx, rotary_dim)`` are written as their ``__init__`` builds them
-    (tables in fp32 angles, cast to the weights' dtype). ``hook_point_in/out`` and ``n_ctx`` default to
-    ``cfg.extra["llamascopium"]`` (a Lorsa loaded from their files), else TransformerLens names of
+    (their angles ``pos / freq`` in fp32, cast to the weights' dtype — or to the dtype the tables were read in,
+    ``RotaryConfig.table_dtype``: a bf16 file loaded as fp32 is written with the bf16 tables it came with, so that
+    their reload and ours compute what they computed on the original file). ``hook_point_in/out`` and ``n_ctx``
+    default to ``cfg.extra["llamascopium"]`` (a Lorsa loaded from their files), else TransformerLens names of
     ``cfg.layer`` (``blocks.<L>.ln1.hook_normalized`` / ``blocks.<L>.hook_attn_out``) and 2048.
 
     A Lorsa of this package reads the attention module's input — the pre-attention norm's output, **gain (and
@@ -735,8 +769,10 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
                        NTK_by_parts_low_freq_factor=rot.scaling["low_freq_factor"],
                        NTK_by_parts_high_freq_factor=rot.scaling["high_freq_factor"],
                        old_context_len=int(rot.scaling["original_max_position_embeddings"]))
-        cos, sin = rotary_cos_sin(rot, torch.arange(n_ctx, device="cpu"))
-        state["rotary_cos"], state["rotary_sin"] = cos.to(dtype), sin.to(dtype)
+        # as their __init__ builds them for a module of the dtype the tables were read in (a bf16 file loaded as fp32
+        # keeps bf16 tables: their reload, and ours — table_dtype — are then the original file's)
+        table_dtype = getattr(torch, rot.table_dtype) if rot.table_dtype is not None else dtype
+        state["rotary_cos"], state["rotary_sin"] = _their_cos_sin(doc, n_ctx, table_dtype)
     else:
         doc["rotary_dim"] = cfg.d_qk_head  # a required field of theirs, unused without RoPE
     text = json.dumps(doc, indent=1)

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .._atomic import resolve
 from .._placement import check_placement_args
 from ..errors import (
     ArgumentError,
@@ -296,10 +297,60 @@ def load(
     path = resolve_checkpoint_dir(path_or_repo_id, allow_patterns=hub_configs(readers), subfolder=subfolder,
                                   local_files_only=local_files_only, revision=revision,
                                   then=lambda d: hub_weights(readers, d))
+    if (isinstance(path_or_repo_id, Path) or resolve(Path(path_or_repo_id)).exists()) \
+            and (fmt is None or fmt.name == "saelens"):  # local: a hub snapshot may hold other loads' folders
+        nested = _gemma_3_below(path, fmt)
+        if nested is not None:
+            path, fmt = nested, FORMATS["saelens"]
     fmt = fmt or FORMATS[detect_format(path)]
     reader = fmt.choose(path)
     options = {k: v for k, v in options.items() if k in reader.options or k not in _SHARED_OPTIONS}
     return read_dir(reader, path, device=device, dtype=dtype, **options)
+
+
+#: how many folder levels below a local directory that is no checkpoint :func:`load` looks for a GemmaScope-2 folder
+#: (the Hub repo's top is two above one: ``resid_post/layer_12_width_16k_l0_small``)
+NESTED_DEPTH = 2
+
+
+def _detects(detect: Callable[[Path], bool], p: Path) -> bool:
+    """``detect(p)``; a detection that raises (a config there that is no JSON object) counts: files are there."""
+    try:
+        return bool(detect(p))
+    except LorsaError:
+        return True
+
+
+def _gemma_3_below(directory: Path, fmt: Format | None) -> Path | None:
+    """The GemmaScope-2 folder to read for a local ``directory`` that no format (``fmt``, default any) recognises:
+    the only checkpoint (of any format, ``fmt``'s) from one to :data:`NESTED_DEPTH` levels below it when that is a
+    GemmaScope-2 folder (SAELens ``gemma_3`` layout, :func:`.saelens_releases.has_gemma_3_files`); None when the
+    directory is a checkpoint itself, or none below is GemmaScope-2's (the caller's detection then says what it says).
+
+    Raises:
+        FormatDetectionError: several checkpoints there, one or more of them GemmaScope-2's (the message lists them
+            as the ``subfolder=`` to pass).
+    """
+    formats = list(FORMATS.values()) if fmt is None else [fmt]
+    if not directory.is_dir() or any(_detects(f.detect, directory) for f in formats):
+        return None
+    found: list[Path] = []
+    level = [directory]
+    for _ in range(NESTED_DEPTH):
+        level = sorted((p for d in level for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                       key=lambda p: _natural(p.relative_to(directory).as_posix()))
+        found.extend(p for p in level if any(_detects(f.detect, p) for f in formats))
+    gemma_3 = [p for p in found if _detects(saelens_releases.has_gemma_3_files, p)]
+    if not gemma_3:
+        return None
+    if len(found) == 1:
+        return found[0]
+    names = [p.relative_to(directory).as_posix() for p in found]
+    raise FormatDetectionError(
+        f"{directory}: no checkpoint files here, and {len(found)} checkpoints within {NESTED_DEPTH} levels below it "
+        f"({len(gemma_3)} of them GemmaScope-2 / SAELens gemma_3 folders): {names[:20]}"
+        + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+        + f"; load one with load({str(directory)!r}, subfolder={names[0]!r}) (or its path)")
 
 
 def _load_release(release: str, sae_id: str, *, format: str, subfolder: str | None,

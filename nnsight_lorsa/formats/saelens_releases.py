@@ -31,12 +31,20 @@ config dict and state dict SAELens's ``gemma_3_sae_huggingface_loader`` builds a
 The hook name comes from the folder name (``layer_<L>`` and, in this order: ``resid_post`` ->
 ``blocks.L.hook_resid_post``, ``attn_out`` -> ``blocks.L.attn.hook_z``, ``mlp_out`` -> ``blocks.L.hook_mlp_out``,
 ``transcoder`` -> ``blocks.L.hook_mlp_in`` / ``hook_mlp_out``: ``jumprelu_skip_transcoder`` when the config's
-``affine_connection`` is true, else ``jumprelu_transcoder``; read at ``hf_hook_point_in``, which must be that layer's
-``pre_feedforward_layernorm.output``, the MLP's input). CLT folders (``clt`` in the name; SAELens reads
+``affine_connection`` is true (``true`` or ``1``; SAELens tests its truthiness, this reader takes a JSON boolean or
+0 / 1 and refuses anything else by name — a string, even ``"false"``, is true there), else ``jumprelu_transcoder``;
+read at ``hf_hook_point_in``, which must be that layer's ``pre_feedforward_layernorm.output``, the MLP's input). CLT
+folders (``clt`` in the name; SAELens reads
 ``<leaf>.safetensors`` and sums ``w_dec (d_sae, n_layers, d_out)`` over the layers, which makes a single-layer
 transcoder that is not the CLT) are refused. Other converters (Gemma Scope ``.npz``, dictionary_learning, …) are
 refused by name; where one of our formats reads those files, ``load(repo_id, subfolder=path, format=...)`` loads
 them.
+
+A local folder above the SAE's (the repo's top, ``<repo>/resid_post/layer_12_width_16k_l0_small/``, or the hook folder
+``<repo>/resid_post/``), which no format recognises, is searched two levels down by ``formats.load``
+(:mod:`.registry`): it reads the GemmaScope-2 folder found there when it is the only checkpoint within those levels,
+and refuses several by name (:class:`~nnsight_lorsa.errors.FormatDetectionError`), listing them as the
+``subfolder=`` to pass.
 """
 
 from __future__ import annotations
@@ -296,7 +304,8 @@ def gemma_3_cfg_dict(directory: Path, *, folder: str | None = None, repo_id: str
         UnsupportedArchitectureError: a CLT folder (``clt`` in the name); an ``architecture`` other than
             ``jump_relu``.
         CheckpointError: no layer or hook in the folder name; ``config.json`` not a JSON object, without a string
-            ``model_name``, or an ``affine_connection`` that is not true/false; ``params.safetensors`` missing,
+            ``model_name``, or an ``affine_connection`` that is not true/false/0/1 (SAELens reads a string, even
+            ``"false"``, as true); ``params.safetensors`` missing,
             unreadable, or without a 2-D ``w_enc`` (a transcoder: without ``w_dec``).
 
     Source: SAELens ``sae_lens/loading/pretrained_sae_loaders.py`` (``_infer_gemma_3_raw_cfg_dict``,
@@ -346,7 +355,11 @@ def gemma_3_cfg_dict(directory: Path, *, folder: str | None = None, repo_id: str
     d_out = None
     if transcoder:
         affine = raw.get("affine_connection", False)
-        require(isinstance(affine, bool), source, f"key 'affine_connection' must be true or false, got {affine!r}")
+        # SAELens tests its truthiness: true/false and 0/1 read as there; anything else refused by name (the string
+        # "false" is true there: a skip transcoder where the tensor is, a strict-load error where it is not)
+        require(isinstance(affine, bool) or (type(affine) is int and affine in (0, 1)), source,
+                f"key 'affine_connection' must be true or false (or 0 / 1), got {affine!r} (SAELens reads any truthy "
+                "value as true, the string 'false' too: write the JSON boolean)")
         architecture = "jumprelu_skip_transcoder" if affine else "jumprelu_transcoder"
         # SAELens names the input hook_mlp_in (the residual before the norm) whatever the tensor; hf_hook_point_in says
         # which it was trained on: the MLP's input (pre_feedforward_layernorm.output) is what this package reads
