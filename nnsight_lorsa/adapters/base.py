@@ -231,14 +231,28 @@ def mhsa_pattern(
     ``key_mask``: optional ``(batch, pos)`` bool, True = token: padded keys are masked too (a query always keeps
     itself, so a padded query's row is finite — and meaningless)."""
     q, k = mhsa_qk(w, x, positions)
-    scores = bmm_f32(q, k.transpose(-1, -2)) * w.scale
-    if w.softcap is not None:
-        scores = torch.tanh(scores / w.softcap) * w.softcap
     allowed = mhsa_mask(w, x.shape[1], x.device)
     if key_mask is not None:
         eye = torch.eye(x.shape[1], dtype=torch.bool, device=x.device)
         allowed = allowed & (key_mask.to(x.device).bool()[:, None, None, :] | eye)  # (batch, 1, pos, pos)
-    return scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(q.dtype)
+    return qk_pattern(w, q, k, allowed).to(q.dtype)
+
+
+def qk_pattern(
+    w: MHSAWeights, q: Float[torch.Tensor, "batch n_heads pos head_dim"],
+    k: Float[torch.Tensor, "batch n_heads keys head_dim"], allowed: torch.Tensor,
+) -> Float[torch.Tensor, "batch n_heads pos keys"]:
+    """Attention patterns from queries and keys (:func:`mhsa_qk`), in fp32 (fp64 kept): scores ``q·k * scale`` in at
+    least fp32 (:func:`~nnsight_lorsa._placement.bmm_f32`), soft-capped where ``w.softcap`` is set, ``-inf`` where
+    ``allowed`` (bool, broadcastable to the scores: True = may attend) is False, softmax over the keys. A query that
+    may attend nowhere gives a NaN row: the caller keeps one key allowed per query (:func:`mhsa_pattern` keeps the
+    query itself).
+
+    Source: transformers ``eager_attention_forward`` (scores, soft cap, mask, fp32 softmax)."""
+    scores = bmm_f32(q, k.transpose(-1, -2)) * w.scale
+    if w.softcap is not None:
+        scores = torch.tanh(scores / w.softcap) * w.softcap
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1)
 
 
 def mhsa_values(

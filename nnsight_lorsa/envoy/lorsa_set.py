@@ -21,6 +21,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError, UnsupportedGenerationError
 from ..formats.hook_sites import check_lorsa_hooks, fold_attention_norm_
 from ..modules.lorsa import Lorsa, LorsaKV
+from .frozen_attention import FrozenAttention, frozen_in
 from .nnsight_internals import current_worker, hf_module, run_kwargs, traced_method
 from .replacement_set import ReplacementSet, load_keyed, replace_keys
 from .splice_chain import SpliceChain, splice_chain
@@ -222,7 +223,8 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         return out
 
     # -------------------------------------------------------------- splicing
-    def site(self, layer: int, generation: Mapping[str, Any] | None = None) -> SpliceChain:
+    def site(self, layer: int, generation: Mapping[str, Any] | None = None,
+             frozen: FrozenAttention | None = None) -> SpliceChain:
         """How layer ``layer``'s attention is spliced (its path, input and output handling).
 
         The step runs the Lorsa on the positions the attention is called with, attending to the
@@ -234,7 +236,9 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         positions are tokens is read from it (:func:`_own_tokens`, kept in ``state["tokens"]``), and the
         Lorsa attends to all earlier tokens.
         ``generation``: the traced call's keyword arguments (checked at the first cached step
-        together with the model's ``generation_config``, :func:`check_generation`).
+        together with the model's ``generation_config``, :func:`check_generation`). ``frozen``: the trace's
+        :class:`~.frozen_attention.FrozenAttention` — the Lorsa's queries and keys are computed from the recorded
+        input of the layer (``Lorsa.forward(..., qk_input=...)``), its values from the live one.
 
         Raises (when the trace runs):
             UnsupportedGenerationError: a cached step under a decoding strategy it cannot follow.
@@ -253,6 +257,7 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         def step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  state: dict) -> torch.Tensor:
             x = to_module(adapter.attention_input(args, kwargs), module)  # the Lorsa's device and dtype
+            qk_input = None if frozen is None else frozen.input_of(layer, x, f"at {adapter.attention_path(layer)}")
             positions = adapter.attention_positions(args, kwargs, x).to(x.device)
             mask = adapter.attention_mask(args, kwargs)
             mask = None if mask is None else mask.to(x.device)
@@ -308,7 +313,7 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                                  f"{past_len} cached + {x.shape[1]} new positions")
             holder: dict = {}
             # the module itself (not forward_step): its envoy's .input / .output are served in the trace
-            out = module(x, positions, mask, past=past, kv_out=holder)
+            out = module(x, positions, mask, past=past, kv_out=holder, qk_input=qk_input)
             # no "kv": the trace skipped the Lorsa's forward (``site.skip(value)``: nnsight returns ``value`` without
             # running it), so the keys and values of these positions were never computed; a later cached step of a
             # generation, which would attend to them, is refused above (state["skipped"])
@@ -372,8 +377,9 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         # now, before the first token (in a plain trace the generation_config plays no part)
         hf_config = getattr(hf_module(self.model), "generation_config", None)
         check_generation(generation, hf_config if traced_method(interleaver) == "generate" else None)
+        frozen = frozen_in(interleaver)  # a trace with frozen attention (ReplacementModel.prepare(frozen=...))
         envoys = {}
         for L in layers:
             module = self[L]
-            envoys[L] = splice_chain(self.model, self.site(L, generation), module, error=error)
+            envoys[L] = splice_chain(self.model, self.site(L, generation, frozen), module, error=error)
         return envoys[layers[0]] if single else envoys

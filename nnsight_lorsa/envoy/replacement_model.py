@@ -31,6 +31,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import adapter_for
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .clt_set import CLTSet
+from .frozen_attention import check_frozen, install
 from .lorsa_set import LorsaSet
 from .nnsight_internals import check_one_thread, hf_module
 from .padding import arm_padding_check
@@ -346,16 +347,25 @@ class ReplacementModel:
         return sorted(targets, key=self.order)
 
     # ------------------------------------------------------------ in a trace
-    def prepare(self, targets: Iterable[Target]) -> None:
+    def prepare(self, targets: Iterable[Target], *, frozen: Any = None) -> None:  # frozen: checked (check_frozen)
         """Inside a trace body, before any intervention: splice every Lorsa / SAE / transcoder the
         targets need. A Lorsa must be spliced before anything inside its attention is read (e.g. an
         MHSA head of the same layer); splicing is idempotent within one trace. Called first in the body
         (or invoke), it also reads the batch's padding mask (:func:`~.padding.arm_padding_check`): the
         body's interventions then refuse positions that are padding in some row (``ArgumentError``).
 
+        ``frozen``: a :class:`~.frozen_attention.FrozenAttention` (:func:`nnsight_lorsa.patching.freeze_attention`
+        on the same prompts): every attention pattern of the trace — each MHSA's and each Lorsa's spliced in it — is
+        held at its value on the unedited prompt, so edits act through the OV circuits and the MLPs only
+        (circuit-tracer's ``feature_intervention(..., freeze_attention=True)``; docs/patching.md, "Frozen
+        attention"). Every row of the batch; one forward pass.
+
         Raises:
             LayerOutOfRangeError, TargetIndexError, ConfigMismatchError: as :meth:`check`, for each target, before
                 anything is spliced.
+            ArgumentError: ``frozen`` not a FrozenAttention; recorded on another model, with another ``error`` flag,
+                or (``error`` False, where the replacements change the unedited pass) for other targets; given after
+                a Lorsa was spliced in this trace, or inside ``model.generate``.
 
         Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
         none).
@@ -363,7 +373,16 @@ class ReplacementModel:
         targets = set(targets)
         for t in targets:  # named errors before anything is spliced (a wrong layer or index, a missing set)
             self.check(t)
+        frozen = check_frozen(frozen, "ReplacementModel.prepare")
+        if frozen is not None and (frozen.error != self.error or not self.error and frozen.targets != targets):
+            raise ArgumentError(
+                f"ReplacementModel.prepare(frozen=...): recorded with error={frozen.error} for "
+                f"{len(frozen.targets)} targets, this trace splices error={self.error} for {len(targets)}: without "
+                "error terms the replacements change the unedited pass, so record it (freeze_attention(replacement, "
+                "prompts, targets)) with the same replacement model and targets")
         arm_padding_check(self.model)
+        if frozen is not None:  # before any Lorsa is spliced: they read it when they are
+            install(self.model, self.adapter, frozen, self.output_projection_path)
         for t in self.sort(targets):
             if isinstance(t, LorsaHead):
                 self._set(t).replace(t.layer, error=self.error)

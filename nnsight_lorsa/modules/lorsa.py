@@ -504,24 +504,34 @@ class Lorsa(ReplacementModule):
         x: Float[torch.Tensor, "batch pos d_model"],
         positions: Int[torch.Tensor, "*b pos"] | None = None,
         attn_mask: torch.Tensor | None = None,
+        *,
+        qk_input: Float[torch.Tensor, "batch pos d_model"] | None = None,
     ) -> Float[torch.Tensor, "batch pos n_ov"]:
-        """Head activations before the activation function: ``z^h_i = Σ_j A^{g(h)}_ij v^h_j``.
+        """Head activations before the activation function: ``z^h_i = Σ_j A^{g(h)}_ij v^h_j``. ``qk_input``: the
+        input the queries and keys are computed from, ``x``'s shape (default ``x``; :meth:`forward`).
 
         Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
         """
-        return self._z_pre_kv(x, positions, attn_mask, None)[0]
+        return self._z_pre_kv(x, positions, attn_mask, None, qk_input=qk_input)[0]
 
     def _z_pre_kv(self, x: torch.Tensor, positions: torch.Tensor | None, attn_mask: torch.Tensor | None,
-                  past: LorsaKV | None, start: int | None = None) -> tuple[torch.Tensor, LorsaKV]:
+                  past: LorsaKV | None, start: int | None = None, *,
+                  qk_input: torch.Tensor | None = None) -> tuple[torch.Tensor, LorsaKV]:
         """``z_pre`` of ``x``'s positions attending to ``past`` and themselves, and the extended :class:`LorsaKV`
-        (``start``: ``positions`` is ``arange(start, start + pos)``, made by the caller)."""
+        (``start``: ``positions`` is ``arange(start, start + pos)``, made by the caller; ``qk_input``: the input of
+        the queries and keys, default ``x``)."""
         self._check_input(x)
         b, s, _ = x.shape
+        if qk_input is None:
+            qk_input = x
+        elif not isinstance(qk_input, torch.Tensor) or qk_input.shape != x.shape:
+            got = tuple(qk_input.shape) if isinstance(qk_input, torch.Tensor) else type(qk_input).__name__
+            raise ShapeError(f"Lorsa: qk_input must have x's shape {tuple(x.shape)}, got {got}")
         # shared_pre: in a splice's two passes (modules.sparse_coder.share_encoder_matmul) the live pass copies the
         # clean pass's q, k, v (no hook point before them) and, where hook_q/hook_k/hook_v passed those copies on
         # unedited, its z_pre; otherwise (and outside a splice) computed here
-        q, k = shared_pre(self, (x, None if start is not None else positions), ("qk", start),
-                          lambda: self.qk(x, positions))
+        q, k = shared_pre(self, (qk_input, None if start is not None else positions), ("qk", start),
+                          lambda: self.qk(qk_input, positions))
         q, k = self.hook_q(q), self.hook_k(k)
         v = self.hook_v(shared_pre(self, x, "v", lambda: self.values(x)))
         if past is not None:
@@ -594,6 +604,7 @@ class Lorsa(ReplacementModule):
         attn_mask: torch.Tensor | None = None,
         *,
         top_k: int | None = None,
+        qk_input: Float[torch.Tensor, "batch pos d_model"] | None = None,
     ) -> tuple[Float[torch.Tensor, "batch pos n_ov"], Float[torch.Tensor, "batch pos n_ov"],
                Int[torch.Tensor, "batch pos k"]]:
         """``(z_pre, z, topk_indices)`` as :meth:`forward` computes them (through ``hook_z_pre`` and ``hook_z``),
@@ -602,7 +613,7 @@ class Lorsa(ReplacementModule):
 
         Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
         """
-        z_pre = self.hook_z_pre(self.compute_z_pre(x, positions, attn_mask))
+        z_pre = self.hook_z_pre(self.compute_z_pre(x, positions, attn_mask, qk_input=qk_input))
         z, idx = self.activation(z_pre, top_k)
         return z_pre, self.hook_z(z), idx
 
@@ -616,6 +627,7 @@ class Lorsa(ReplacementModule):
         top_k: int | None = None,
         past: LorsaKV | None = None,
         kv_out: dict | None = None,
+        qk_input: Float[torch.Tensor, "batch pos d_model"] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, LorsaCache]:
         """Lorsa output ``(batch, pos, d_model)``; with ``return_cache`` also a :class:`LorsaCache`.
 
@@ -631,6 +643,10 @@ class Lorsa(ReplacementModule):
                 new :class:`LorsaKV` is stored as ``kv_out["kv"]`` — so that a splice calls the module
                 itself (its envoy's ``.input`` / ``.output`` are then served in a trace) and still keeps
                 the keys and values. Not with ``return_cache`` / ``top_k``.
+            qk_input: the input the queries and keys are computed from, ``x``'s shape (default ``x``): the QK
+                patterns of another pass with the values of this one — frozen attention
+                (:func:`nnsight_lorsa.patching.freeze_attention`; circuit-tracer's ``feature_intervention(...,
+                freeze_attention=True)``).
 
         Raises:
             ShapeError: ``x`` not a ``(batch, pos, d_model)`` tensor in the weights' dtype; ``positions`` or
@@ -647,11 +663,11 @@ class Lorsa(ReplacementModule):
         if past is not None or kv_out is not None:
             if return_cache or top_k is not None:
                 raise ShapeError("Lorsa.forward: past / kv_out (a decoding step) do not take return_cache or top_k")
-            out, kv = self.forward_step(x, positions, attn_mask, past)
+            out, kv = self.forward_step(x, positions, attn_mask, past, qk_input=qk_input)
             if kv_out is not None:
                 kv_out["kv"] = kv
             return out
-        z_pre, z, idx = self.heads(x, positions, attn_mask, top_k=top_k)
+        z_pre, z, idx = self.heads(x, positions, attn_mask, top_k=top_k, qk_input=qk_input)
         out = self.hook_out(self.decode(z))
         if return_cache:
             return out, LorsaCache(z_pre=z_pre, z=z, topk_indices=idx, out=out)
@@ -663,6 +679,8 @@ class Lorsa(ReplacementModule):
         positions: Int[torch.Tensor, "*b pos"] | None = None,
         attn_mask: torch.Tensor | None = None,
         past: LorsaKV | None = None,
+        *,
+        qk_input: Float[torch.Tensor, "batch pos d_model"] | None = None,
     ) -> tuple[Float[torch.Tensor, "batch pos d_model"], LorsaKV]:
         """One decoding step: the output at ``x``'s positions, attending to ``past`` and to themselves.
 
@@ -695,7 +713,7 @@ class Lorsa(ReplacementModule):
         if positions is None and past is not None:
             start = past.length
             positions = torch.arange(start, start + x.shape[1], device=x.device)
-        z_pre, kv = self._z_pre_kv(x, positions, attn_mask, past, start)
+        z_pre, kv = self._z_pre_kv(x, positions, attn_mask, past, start, qk_input=qk_input)
         z, _ = self.activation(self.hook_z_pre(z_pre))
         out = self.hook_out(self.decode(self.hook_z(z)))
         return out, kv

@@ -26,6 +26,7 @@ from nnsight_lorsa.patching import (
     ablate,
     ablation_effect,
     activation_patching,
+    freeze_attention,
     mean_activations,
     patch,
     path_patching,
@@ -179,7 +180,9 @@ def ct_llama(models: Models, work: Path) -> list[dict]:
 def ct_constrained(models: Models, work: Path) -> list[dict]:
     """circuit-tracer's ablation with every layer constrained (``constrained_layers=range(n_layers)``) against minus
     our attribution graph's feature → logit edges (the direct effect on each mean-subtracted logit), ÷ max |logit|;
-    its ``freeze_attention=True``-only ablation against the same edges (no equivalent here: it lets MLPs move)."""
+    its ``freeze_attention=True``-only ablation against ours (``freeze_attention`` + ``prepare(..., frozen=...)``,
+    the last position's logits ÷ its max |logit|) and against the same edges (how far it is from the direct
+    effect: MLPs and norms move)."""
     src = S.side_dir(work, "circuit_tracer", "ct_constrained")
     model = models("gpt2")
     res = load_file(str(src / "results.safetensors"))
@@ -191,6 +194,7 @@ def ct_constrained(models: Models, work: Path) -> list[dict]:
         nodes, logit_ids = graph.nodes, graph.logit_ids
         tokens = nodes.index[logit_ids]
         base = res[f"{name}_base"]
+        record = freeze_attention(rm, ids[None])
         for pick in picks:
             i, layer, pos, f = pick["i"], pick["layer"], pick["pos"], pick["feature"]
             node = ((nodes.kind == TRANSCODER) & (nodes.layer == layer) & (nodes.pos == pos)
@@ -203,8 +207,20 @@ def ct_constrained(models: Models, work: Path) -> list[dict]:
                 lo = res[f"{name}_{i}{suffix}"]
                 moved[tag] = (demeaned(lo) - demeaned(base))[tokens]
             scale_ = float(base.abs().max())
+            target = tc(layer, f)
+            with torch.no_grad(), model.trace(ids[None]):
+                rm.prepare([target], frozen=record)
+                ablate(rm(target), positions=[pos])
+                frozen = nnsight.save(model.lm_head.output)
+            with torch.no_grad(), model.trace(ids[None]):
+                rm.prepare([target])
+                ablate(rm(target), positions=[pos])
+                free = nnsight.save(model.lm_head.output)
             rows.append({
+                "ours_free_vs_freeze_attention": rel(free[0, -1], res[f"{name}_{i}_fa"]),
                 "key": f"{name}_{i}", "module": name,
+                "freeze_attention_vs_ours": rel(frozen[0, -1], res[f"{name}_{i}_fa"]),
+                "freeze_attention_effect": rel(res[f"{name}_{i}_fa"], base),
                 "constrained_vs_edges": float((moved["constrained"] + edges).abs().max()) / scale_,
                 "freeze_attention_vs_edges": float((moved["freeze_attention"] + edges).abs().max()) / scale_,
                 "activation": abs(float(nodes.activation[node]) - pick["act"]) / abs(pick["act"]),

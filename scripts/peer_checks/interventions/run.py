@@ -20,7 +20,8 @@ with its own classes, writes them with its own writer (circuit-tracer ``to_safet
   "transformerlens")``, per-layer sets and CLTs on six hook pairs (``mlp.hook_in``/``mlp.hook_out``,
   ``hook_resid_mid``/``hook_mlp_out``, ``ln2.hook_normalized``/``hook_mlp_out`` and ``/mlp.hook_out``, CLTs on two).
 - ``ct_constrained`` (48 / 24): one active feature zeroed with ``constrained_layers=range(n_layers)`` against minus our
-  attribution graph's feature → logit edges (6 modules).
+  attribution graph's feature → logit edges (6 modules); the same ablation with ``freeze_attention=True`` against ours
+  with frozen attention.
 - ``ct_call_options`` and ``ct_bos``: scale / steer as circuit-tracer expresses them; its options
   ``apply_activation_function=False``, ``sparse=True``, ``return_activations=False``; the BOS difference (below).
 - ``sl_gpt2`` (60 / 30): 1-3 SAEs (standard, JumpReLU, TopK, gated on ``hook_resid_pre`` / ``hook_attn_out`` /
@@ -52,8 +53,10 @@ inside ``with model.trace(ids):`` after ``rm.prepare(targets)``, in the model's 
   ``hook_sae_acts_post`` read before that layer's edits (positions ≥ 1: its cache is zero at 0); with
   ``apply_activation_function=False`` ↔ ``hook_sae_acts_pre``. ``constrained_layers=range(n_layers)`` (attention
   patterns, norms and MLPs frozen: the direct effect) ↔ minus our ``attribute`` graph's feature → logit edge on the
-  mean-subtracted logits; ``freeze_attention=True`` alone and partial ``constrained_layers`` have no equivalent here
-  (``freeze_attention_vs_edges`` shows how far they are from the direct effect).
+  mean-subtracted logits; ``freeze_attention=True`` alone ↔ ``rm.prepare([target], frozen=freeze_attention(rm, ids))``
+  then the same edit (every attention pattern held at the unedited prompt's; norms and MLPs live), compared on the last
+  position's logits (``freeze_attention_vs_ours``; ``freeze_attention_vs_edges`` shows how far it is from the direct
+  effect). Partial ``constrained_layers`` has no equivalent here.
 - SAELens ``HookedSAETransformer.add_sae(sae, use_error_term=e)`` ↔ ``ReplacementModel(model, saes=...,
   transcoders=..., error=e)`` of ``SAESet`` / ``TranscoderSet.from_pretrained(model, folder)`` (each placed at the
   module output its file records: ``hook_resid_pre`` L → the previous block's output / the embedding dropout,
@@ -240,15 +243,20 @@ def summarise_ct_free(rows: list[dict]) -> dict[str, Any]:
 
 def summarise_ct_constrained(rows: list[dict]) -> dict[str, Any]:
     s = {
-        "peer": "circuit-tracer feature_intervention(constrained_layers=range(n_layers)) vs our attribute edges",
+        "peer": "circuit-tracer feature_intervention(constrained_layers=range(n_layers)) vs our attribute edges; "
+                "feature_intervention(freeze_attention=True) vs our freeze_attention + prepare(frozen=...)",
         "cases": len(rows), "per_module": counts(rows, "module"),
         "cases_with_a_direct_effect": sum(r["edge_max_over_logit_max"] > 0 for r in rows),
         "constrained_vs_minus_edges_rel_max": top(rows, "constrained_vs_edges"),
         "node_activation_rel_max": top(rows, "activation"),
-        "not_equivalent_freeze_attention_only_vs_minus_edges_rel_max": top(rows, "freeze_attention_vs_edges"),
+        "freeze_attention_vs_ours_rel_max": top(rows, "freeze_attention_vs_ours"),
+        "freeze_attention_effect_rel_max": top(rows, "freeze_attention_effect"),
+        "ours_without_freezing_vs_freeze_attention_rel_max": top(rows, "ours_free_vs_freeze_attention"),
+        "freeze_attention_only_vs_minus_edges_rel_max": top(rows, "freeze_attention_vs_edges"),
         "edge_max_over_logit_max": top(rows, "edge_max_over_logit_max"),
     }
-    s["agree"] = ok(s["constrained_vs_minus_edges_rel_max"], s["node_activation_rel_max"], at_most=1e-4)
+    s["agree"] = (ok(s["constrained_vs_minus_edges_rel_max"], s["node_activation_rel_max"], at_most=1e-4)
+                  and ok(s["freeze_attention_vs_ours_rel_max"]))
     return s
 
 

@@ -1,0 +1,227 @@
+"""Frozen attention for interventions: every attention pattern held at its value on the unedited prompt.
+
+circuit-tracer's ``feature_intervention(..., freeze_attention=True)`` (``circuit_tracer/replacement_model/
+replacement_model_transformerlens.py``, ``setup_intervention_with_freeze``: the ``hook_pattern`` of every layer
+cached on a clean run and written back under the edit) in an nnsight trace: an edit then moves the logits through
+the attention's OV circuits and the MLPs only — the patterns (QK circuits) stay where they were, as in the frozen
+linear model attribution graphs are computed on (Ameisen et al. 2025, *Circuit Tracing*, §"Validating
+attribution graphs": interventions with frozen attention). Norms and MLPs run live (circuit-tracer's default).
+
+A :class:`FrozenAttention` holds each layer's attention input on the unedited prompt (recorded by
+:func:`nnsight_lorsa.patching.freeze_attention`); :meth:`~.replacement_model.ReplacementModel.prepare` with
+``frozen=`` starts one worker of the trace (:func:`install`) that, at every layer, before the trace body's edits
+there:
+
+* MHSA: adds to the output projection's input (the heads' ``z``, head-major) the difference
+  ``(A_clean − A_live) v(x)`` of the patterns made from the recorded input and from the live one ``x``, both
+  recomputed from the layer's weights (:func:`~..adapters.base.mhsa_qk`, :func:`~..adapters.base.qk_pattern`; the
+  model's mask, RoPE positions, soft cap, sliding window), the values ``v`` the live ones — so ``z`` becomes
+  ``A_clean · v(x)`` up to the recomputation's rounding, and an edit of an :class:`~.targets.MHSAHead` (at the same
+  input) acts on the frozen ``z``. Where the live input equals the recorded one bit for bit (nothing upstream moved)
+  nothing is added: an unedited frozen trace is the model's own, bit for bit;
+* Lorsa: a Lorsa spliced in the same trace (``LorsaSet.replace`` after the worker started) computes its queries
+  and keys from the recorded input (``Lorsa.forward(..., qk_input=...)``), its values from the live one — in its
+  live and its clean pass, so its error term and an edit of its heads both see the frozen patterns.
+
+Everything runs under ``torch.no_grad``: the correction carries no gradient. One forward pass (``model.trace``);
+``model.generate`` is refused (circuit-tracer freezes the first token's only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..adapters.base import ArchitectureAdapter, MHSAWeights, mhsa_mask, mhsa_qk, mhsa_values, qk_pattern
+from ..errors import ArgumentError, ShapeError, TraceOrderError
+from .nnsight_internals import (
+    current_worker,
+    enclosing,
+    find_worker,
+    hf_module,
+    is_splice,
+    park_or_end,
+    ran_since_start,
+    serve_first,
+    serve_last,
+    skip_gate,
+    spawn_worker,
+    traced_method,
+)
+
+#: the tag of the frozen-attention worker of a trace (:func:`frozen_in`)
+FROZEN_TAG = ("nnsight_lorsa.frozen_attention",)
+
+#: the most pattern elements (query × key × heads × rows) one step of the correction holds, per pattern
+CHUNK_ELEMENTS = 1 << 25
+
+
+class FrozenAttention:
+    """Each layer's attention input on an unedited prompt: the patterns an intervened trace's attention is frozen at
+    (:func:`nnsight_lorsa.patching.freeze_attention` records it; ``ReplacementModel.prepare(targets, frozen=...)``
+    applies it).
+
+    Attributes:
+        inputs: ``{layer: (batch, pos, d_model)}`` — the hidden states each attention module was called with, in
+            the model's dtype, on its layer's device.
+        targets: the intervention targets whose replacements were spliced when it was recorded (with ``error``
+            False they change the unedited pass, so an intervened trace must splice the same ones).
+        error: the replacement model's ``error`` flag when it was recorded.
+        model: ``id`` of the nnsight model it was recorded on.
+
+    Source: circuit-tracer ``replacement_model_transformerlens.py`` (``setup_intervention_with_freeze``).
+    """
+
+    def __init__(self, inputs: Mapping[int, torch.Tensor], targets: frozenset, error: bool, model: int) -> None:
+        self.inputs = dict(inputs)
+        self.targets = targets
+        self.error = error
+        self.model = model
+
+    def __repr__(self) -> str:
+        shape = next(iter(self.inputs.values())).shape if self.inputs else ()
+        return (f"FrozenAttention(layers={sorted(self.inputs)}, shape={tuple(shape)}, targets={len(self.targets)}, "
+                f"error={self.error})")
+
+    def input_of(self, layer: int, x: torch.Tensor, where: str) -> torch.Tensor:
+        """The recorded input of ``layer`` on ``x``'s device and dtype, checked against the live one ``x``.
+
+        Raises:
+            ShapeError: the live input has another shape (another prompt, batch or invoke layout than recorded).
+        """
+        rec = self.inputs[layer]
+        if rec.shape != x.shape:
+            raise ShapeError(
+                f"{where}: frozen attention was recorded on inputs of shape {tuple(rec.shape)}, this trace runs "
+                f"{tuple(x.shape)} at layer {layer}: record it (freeze_attention) on the same prompts, in the same "
+                "batch, as the intervened trace")
+        return rec.to(device=x.device, dtype=x.dtype)
+
+
+def frozen_in(interleaver: Any) -> FrozenAttention | None:
+    """The :class:`FrozenAttention` a running trace applies (its worker's), or None."""
+    worker = find_worker(interleaver, FROZEN_TAG)
+    return None if worker is None else worker.frozen
+
+
+def install(root: Any, adapter: ArchitectureAdapter, frozen: FrozenAttention,
+            projection_path: Any) -> None:
+    """Inside a trace body, before anything is spliced or read: freeze every attention pattern at ``frozen``'s (see
+    the module docstring). ``projection_path(layer)``: the path of the layer's attention output projection. Called
+    twice with the same record in one trace (another invoke), it does nothing.
+
+    Raises:
+        TraceOrderError: called outside a trace body, or after the model ran the first layer's attention.
+        ArgumentError: inside ``model.generate``; a Lorsa already spliced in this trace (its patterns would stay
+            live: call ``prepare(..., frozen=...)`` first); another :class:`FrozenAttention` already applied in it;
+            ``frozen`` recorded on another model.
+    """
+    me = current_worker("ReplacementModel.prepare(frozen=...)")
+    interleaver = me.interleaver
+    if frozen.model != id(root):
+        raise ArgumentError("prepare(frozen=...): this FrozenAttention was recorded on another model")
+    existing = find_worker(interleaver, FROZEN_TAG)
+    if existing is not None:
+        if existing.frozen is not frozen:
+            raise ArgumentError("prepare(frozen=...): another FrozenAttention is already applied in this trace; a "
+                                "trace freezes its attention at one record")
+        return
+    if traced_method(interleaver) == "generate":
+        raise ArgumentError("prepare(frozen=...) inside model.generate: frozen attention holds the patterns of one "
+                            "forward pass over the recorded prompt; run it in model.trace(prompt)")
+    lorsas = [m.chain.site_paths[0] for m in interleaver.mediators
+              if is_splice(m) and m.alive and getattr(m, "chain", None) is not None and m.chain.attach_name == "lorsa"]
+    if lorsas:
+        raise ArgumentError(f"prepare(frozen=...): a Lorsa is already spliced in this trace at {lorsas[0]}, with its "
+                            "patterns live; call prepare(targets, frozen=...) first in the body, before any replace()")
+    layers = sorted(frozen.inputs)
+    if layers and ran_since_start(me, adapter.attention_path(layers[0])) > 0:
+        raise TraceOrderError("prepare(frozen=...): the model already ran the first layer's attention in this "
+                              "forward pass; call it first in the trace body")
+    model = hf_module(root)
+    attns = {layer: root.get(adapter.attention_path(layer)) for layer in layers}
+    projs = {layer: root.get(projection_path(layer)) for layer in layers}
+    gates = {layer: enclosing(root, adapter.attention_path(layer), attns[layer].path) for layer in layers}
+
+    def body() -> None:
+        for n, layer in enumerate(layers):
+            if n:  # (spawned last: the first time it is there already)
+                serve_last(worker)  # the values as the body's edits and the splices left them
+            gate = gates[layer]
+            if gate is not None:
+                more, skipped = park_or_end(partial(skip_gate, root.get(gate).path))
+                if not more:
+                    return
+                if skipped:  # the decoder layer does not run: nothing to freeze there
+                    continue
+            more, call = park_or_end(partial(getattr, attns[layer], "inputs"))
+            if not more:
+                return
+            args, kwargs = call
+            x = adapter.attention_input(args, kwargs)
+            clean = frozen.input_of(layer, x, f"at {adapter.attention_path(layer)}")
+            more, skipped = park_or_end(partial(skip_gate, attns[layer].path))
+            if not more:
+                return
+            if skipped or torch.equal(x, clean):  # skipped: its output is the trace's; equal: the clean patterns
+                continue
+            with torch.no_grad():
+                delta = z_correction(adapter.mhsa_weights(model, layer), x, clean,
+                                     adapter.attention_positions(args, kwargs, x), adapter.attention_mask(args, kwargs))
+            serve_first(worker)  # before the trace body's edits of the heads (MHSAHead at the same input)
+            more, pcall = park_or_end(partial(getattr, projs[layer], "inputs"))
+            if not more:
+                return
+            pargs, pkwargs = pcall
+            z = pargs[0]
+            new = (z.detach().to(delta.dtype) + delta.to(z.device)).to(z.dtype)
+            projs[layer].inputs = ((new, *pargs[1:]), pkwargs)
+
+    worker = spawn_worker(interleaver, body, FROZEN_TAG)
+    worker.frozen = frozen
+
+
+def z_correction(w: MHSAWeights, x: torch.Tensor, clean: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+    """``(A_clean − A_live) v(x)`` per head, as the output projection's input ``(batch, pos, n_heads·head_dim)``
+    (head-major), in fp32 (fp64 kept): the patterns from ``clean`` and ``x`` (:func:`~..adapters.base.mhsa_qk`,
+    :func:`~..adapters.base.qk_pattern`), the values from ``x``. ``mask``: the model's ``(batch | 1, 1, pos, pos)``
+    mask (bool, or additive float) or None (causal; the sliding window of ``w`` either way); a query that may attend
+    nowhere keeps itself (a padded row: finite, meaningless). Heads in chunks of at most :data:`CHUNK_ELEMENTS`
+    pattern elements.
+
+    Source: ours (circuit-tracer writes the cached ``hook_pattern`` back; here the difference of two recomputed
+    patterns is added to the model's own ``z``, so an unedited input adds exactly 0)."""
+    work = torch.promote_types(x.dtype, torch.float32)
+    b, s, _ = x.shape
+    pos = positions.to(x.device)
+    q_c, k_c = mhsa_qk(w, clean, pos)
+    q_l, k_l = mhsa_qk(w, x, pos)
+    v = mhsa_values(w, x).to(work)  # (b, h, s, e)
+    allowed = mhsa_mask(w, s, x.device)[None, None]
+    if mask is not None:
+        m = mask.to(x.device)
+        allowed = allowed & (m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2)[..., -s:]
+    eye = torch.eye(s, dtype=torch.bool, device=x.device)
+    allowed = allowed | (~allowed.any(-1, keepdim=True) & eye)
+    h = q_c.shape[1]
+    step = max(1, CHUNK_ELEMENTS // max(1, b * s * s))
+    out = torch.empty(b, h, s, v.shape[-1], dtype=work, device=x.device)
+    for h0 in range(0, h, step):
+        sl = slice(h0, min(h, h0 + step))
+        diff = qk_pattern(w, q_c[:, sl], k_c[:, sl], allowed).to(work) - qk_pattern(w, q_l[:, sl], k_l[:, sl],
+                                                                                  allowed).to(work)
+        out[:, sl] = diff @ v[:, sl]
+    return out.transpose(1, 2).reshape(b, s, h * v.shape[-1])
+
+
+def check_frozen(value: Any, where: str) -> FrozenAttention | None:
+    """``value`` if it is None or a :class:`FrozenAttention`, else an :class:`~..errors.ArgumentError` naming
+    ``where``."""
+    if value is None or isinstance(value, FrozenAttention):
+        return value
+    raise ArgumentError(f"{where}: frozen must be a FrozenAttention (patching.freeze_attention(replacement, "
+                        f"prompts)) or None, got a {type(value).__name__}")
