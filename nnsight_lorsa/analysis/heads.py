@@ -305,10 +305,16 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
                   tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor, list[list[str]] | None]:
     """Tokens each Lorsa head promotes through its OV circuit (Lorsa paper Fig. 4, "Logits via OV").
 
-    ``logits_h = W_U (g ⊙ w_o^h)`` with ``g`` the final norm's gain (the normalisation itself only
-    rescales a single direction; a LayerNorm's bias is not part of the head's direction) — for Gemma-2/3 the
-    product of the ``1 + weight`` gains of ``post_attention_layernorm`` (which the head's output goes through
-    before the residual) and of the final norm (:func:`~nnsight_lorsa.adapters.base.norm_gain`).
+    ``logits_h = W_U (g ⊙ P w_o^h)`` with ``g`` the final norm's gain and ``P`` its centring: ``w − mean(w)`` for a
+    LayerNorm (GPT-2, GPT-NeoX / Pythia: it subtracts the mean over ``d_model`` of everything in the residual, the
+    head's share included), the identity for an RMSNorm — the head's direct effect on the logits with the norm's
+    scale frozen, as the model's own forward (and the attribution graph's frozen norms) computes it; the scale
+    ``1/σ`` is common to all heads and left out, and so are a LayerNorm's bias and ``b_U`` (not the head's). For
+    Gemma-2/3 the product of the ``1 + weight`` gains of ``post_attention_layernorm`` (which the head's output goes
+    through before the residual) and of the final norm (:func:`~nnsight_lorsa.adapters.base.norm_gain`), each norm
+    applied in that order. Before 2026-11-30 a LayerNorm's centring was left out: on random GPT-2s the rows were
+    13-24% (of their largest entry) off Llamascopium's ``DirectLogitAttributor`` (which centres: TransformerLens's
+    ``ln_final``) and 10-13% of the top-10 tokens differed (docs/analysis.md).
 
     Computed in fp32 on the unembedding's device (the Lorsa's ``w_o`` rows are moved there);
     returned on the CPU.
@@ -336,7 +342,7 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
     device, _ = placement(w_u, f"the unembedding {adapter.lm_head_path}")
     placement(lorsa, f"the Lorsa of layer {layer}")
     post = adapter.attention_post_norm_path(layer)
-    gains = [norm_gain(_module(model, path)) for path in (post, adapter.final_norm_path) if path is not None]
+    norms = [_module(model, path) for path in (post, adapter.final_norm_path) if path is not None]
     idx = (torch.arange(lorsa.cfg.n_ov_heads, device=lorsa.W_O.device) if heads is None
            else head_indices(heads, lorsa.cfg.n_ov_heads, "heads", lorsa.W_O.device))
     _check_count(k, "k")
@@ -345,7 +351,10 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
     w_o = lorsa.W_O[idx].to(device=device, dtype=torch.float32)
     if w_u.shape[1] != w_o.shape[1]:
         raise ShapeError(f"unembedding is {tuple(w_u.shape)}, Lorsa d_model {w_o.shape[1]}")
-    for gain in gains:
+    for norm in norms:  # the head's output through each norm with its scale frozen: centring (LayerNorm), gain
+        if isinstance(norm, torch.nn.LayerNorm):
+            w_o = w_o - w_o.mean(-1, keepdim=True)
+        gain = norm_gain(norm)
         if gain is not None:
             w_o = w_o * gain.to(device=device, dtype=torch.float32)
     logits = w_o @ w_u.float().T

@@ -407,9 +407,10 @@ test_sweep_mhsa_correlation_generated = pytest.mark.slow(_generated(_correlation
 # ------------------------------------------------------------------ logit lens
 @pytest.mark.parametrize("family", ["gpt2", "neox", "qwen3", "olmo2", "gemma", "gemma3", "phi3"])
 def test_ov_logit_lens_against_the_weights(family):
-    """``W_U (g ⊙ w_o)`` written per family from the HF modules: the final norm's gain (``1 + w`` for Gemma), the
+    """``W_U (g ⊙ P w_o)`` written per family from the HF modules: the final norm's gain (``1 + w`` for Gemma), the
     post-attention norm's gain before it where the attention output is normed before the residual (OLMo-2,
-    Gemma-3); a LayerNorm's bias left out."""
+    Gemma-3); ``P`` a LayerNorm's centring (GPT-2, NeoX: ``w − mean w``; identity for an RMSNorm); a LayerNorm's bias
+    left out."""
     _, hf, adapter, lorsa, rm = _setup(family)
     base = hf.base_model
     final = next(getattr(base, n) for n in ("norm", "final_layer_norm", "ln_f") if hasattr(base, n))
@@ -421,7 +422,10 @@ def test_ov_logit_lens_against_the_weights(family):
         gain = gain * (post + (1.0 if family == "gemma3" else 0.0))
     w_u = hf.get_output_embeddings().weight.detach().double()
     heads = [0, 9, lorsa.cfg.n_ov_heads - 1]
-    want = ((lorsa.W_O.detach().double()[heads] * gain) @ w_u.T).topk(6, -1)
+    w_o = lorsa.W_O.detach().double()[heads]
+    if isinstance(final, torch.nn.LayerNorm):
+        w_o = w_o - w_o.mean(-1, keepdim=True)
+    want = ((w_o * gain) @ w_u.T).topk(6, -1)
     vals, ids, _ = ov_logit_lens(rm, LAYER, heads, k=6)
     assert float((vals.double() - want.values).abs().max()) <= 1e-5 * float(want.values.abs().max())
     assert torch.equal(ids, want.indices)
