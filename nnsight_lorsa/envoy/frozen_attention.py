@@ -70,16 +70,17 @@ class FrozenAttention:
         targets: the intervention targets whose replacements were spliced when it was recorded (with ``error``
             False they change the unedited pass, so an intervened trace must splice the same ones).
         error: the replacement model's ``error`` flag when it was recorded.
-        model: ``id`` of the nnsight model it was recorded on.
+        fingerprint: :func:`fingerprint` of the model it was recorded on (where it ran: on NDIF the server's).
 
     Source: circuit-tracer ``replacement_model_transformerlens.py`` (``setup_intervention_with_freeze``).
     """
 
-    def __init__(self, inputs: Mapping[int, torch.Tensor], targets: frozenset, error: bool, model: int) -> None:
+    def __init__(self, inputs: Mapping[int, torch.Tensor], targets: frozenset, error: bool,
+                 fingerprint: torch.Tensor) -> None:
         self.inputs = dict(inputs)
         self.targets = targets
         self.error = error
-        self.model = model
+        self.fingerprint = fingerprint
 
     def __repr__(self) -> str:
         shape = next(iter(self.inputs.values())).shape if self.inputs else ()
@@ -91,6 +92,8 @@ class FrozenAttention:
 
         Raises:
             ShapeError: the live input has another shape (another prompt, batch or invoke layout than recorded).
+
+        Source: ours (the record's check against the trace it is applied in).
         """
         rec = self.inputs[layer]
         if rec.shape != x.shape:
@@ -99,6 +102,17 @@ class FrozenAttention:
                 f"{tuple(x.shape)} at layer {layer}: record it (freeze_attention) on the same prompts, in the same "
                 "batch, as the intervened trace")
         return rec.to(device=x.device, dtype=x.dtype)
+
+
+def fingerprint(model: Any, adapter: ArchitectureAdapter) -> torch.Tensor:
+    """A checksum of a Hugging Face model's weights, to tell the model a :class:`FrozenAttention` was recorded on:
+    ``Σ_i (i + 1) · Σ p_i`` over the first attention module's parameters (sorted by name), in fp64, a 0-d tensor on
+    the CPU — computed where the model runs (on NDIF in the request, from the server's weights)."""
+    params = sorted(adapter.attention_module(model, 0).named_parameters())
+    total = torch.zeros((), dtype=torch.float64, device="cpu")
+    for i, (_, p) in enumerate(params):
+        total = total + (i + 1) * p.detach().double().sum().cpu()
+    return total
 
 
 def frozen_in(interleaver: Any) -> FrozenAttention | None:
@@ -121,8 +135,10 @@ def install(root: Any, adapter: ArchitectureAdapter, frozen: FrozenAttention,
     """
     me = current_worker("ReplacementModel.prepare(frozen=...)")
     interleaver = me.interleaver
-    if frozen.model != id(root):
-        raise ArgumentError("prepare(frozen=...): this FrozenAttention was recorded on another model")
+    model = hf_module(root)
+    if not torch.equal(fingerprint(model, adapter), frozen.fingerprint):
+        raise ArgumentError("prepare(frozen=...): this FrozenAttention was recorded on a model with other weights "
+                            "(its first attention's checksum differs); record it on this model")
     existing = find_worker(interleaver, FROZEN_TAG)
     if existing is not None:
         if existing.frozen is not frozen:
@@ -141,7 +157,6 @@ def install(root: Any, adapter: ArchitectureAdapter, frozen: FrozenAttention,
     if layers and ran_since_start(me, adapter.attention_path(layers[0])) > 0:
         raise TraceOrderError("prepare(frozen=...): the model already ran the first layer's attention in this "
                               "forward pass; call it first in the trace body")
-    model = hf_module(root)
     attns = {layer: root.get(adapter.attention_path(layer)) for layer in layers}
     projs = {layer: root.get(projection_path(layer)) for layer in layers}
     gates = {layer: enclosing(root, adapter.attention_path(layer), attns[layer].path) for layer in layers}

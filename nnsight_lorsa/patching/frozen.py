@@ -12,14 +12,15 @@ from typing import Any
 import nnsight
 import torch
 
-from ..envoy.frozen_attention import FrozenAttention
+from ..envoy.frozen_attention import FrozenAttention, fingerprint
+from ..envoy.nnsight_internals import hf_module
 from ..envoy.replacement_model import check_replacement_model
 from ..envoy.targets import Feature, LorsaHead, MHSAHead
 from ..errors import ConfigMismatchError
 from .interventions import check_prompts, refuse_inside_trace
 
 
-def freeze_attention(replacement: Any, prompts: Any, targets: Any = ()) -> FrozenAttention:
+def freeze_attention(replacement: Any, prompts: Any, targets: Any = (), *, remote: Any = False) -> FrozenAttention:
     """Record the attention patterns of ``prompts``' unedited pass, for an intervened trace of the same prompts.
 
     Runs one trace (``torch.no_grad``) with the replacements ``targets`` need spliced
@@ -39,6 +40,8 @@ def freeze_attention(replacement: Any, prompts: Any, targets: Any = ()) -> Froze
         prompts: what ``model.trace`` takes (texts, token ids ``(batch, pos)``, a tokenizer's output).
         targets: the intervention targets of the trace it is for (needed where ``replacement.error`` is False: the
             replacements they splice change the unedited pass; default none).
+        remote: passed to ``model.trace`` (``True``: the pass runs on NDIF and the inputs come back, ``n_layers ·
+            batch · pos · d_model`` numbers in the model's dtype; docs/remote.md).
 
     Returns:
         a :class:`~nnsight_lorsa.envoy.frozen_attention.FrozenAttention`.
@@ -62,9 +65,10 @@ def freeze_attention(replacement: Any, prompts: Any, targets: Any = ()) -> Froze
     check_prompts(prompts, "freeze_attention", model=r.model)
     adapter = r.adapter
     inputs: dict[int, torch.Tensor] = {}
-    with torch.no_grad(), r.model.trace(prompts):
+    with torch.no_grad(), r.model.trace(prompts, remote=remote):
         r.prepare(targets)
+        checksum = nnsight.save(fingerprint(hf_module(r.model), adapter))  # where the model runs: the server's
         for layer in range(adapter.n_layers):
             args, kwargs = r.model.get(adapter.attention_path(layer)).inputs
             inputs[layer] = nnsight.save(adapter.attention_input(args, kwargs).detach().clone())
-    return FrozenAttention(inputs, frozenset(targets), r.error, id(r.model))
+    return FrozenAttention(inputs, frozenset(targets), r.error, checksum)
