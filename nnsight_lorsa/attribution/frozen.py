@@ -84,6 +84,8 @@ def norm_scale(norm: nn.Module, x: Float[torch.Tensor, "batch pos d"]) -> Float[
             xc = x - x.mean(-1, keepdim=True)
             return torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + float(getattr(norm, "eps")))  # noqa: B009
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        if eps is None and isinstance(norm, getattr(nn, "RMSNorm", ())):  # torch's: None = the input dtype's eps
+            eps = torch.finfo(x.dtype).eps
         if getattr(norm, "weight", None) is None or eps is None:
             raise UnsupportedArchitectureError(f"cannot freeze a {type(norm).__name__}: not a LayerNorm or RMSNorm")
         return torch.rsqrt(_upcast(x).pow(2).mean(-1, keepdim=True) + float(eps))
@@ -95,7 +97,10 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 def _is_layer_norm(norm: nn.Module) -> bool:
-    return isinstance(norm, nn.LayerNorm) or (hasattr(norm, "normalized_shape") and hasattr(norm, "eps"))
+    # torch's own RMSNorm has ``normalized_shape`` and ``eps`` too: until 2026-11-30 it was read as a LayerNorm
+    # (mean-centred; a scale of 1.59 where 1/rms was 0.34)
+    rms = isinstance(norm, getattr(nn, "RMSNorm", ())) or "RMSNorm" in type(norm).__name__
+    return isinstance(norm, nn.LayerNorm) or (not rms and hasattr(norm, "normalized_shape") and hasattr(norm, "eps"))
 
 
 def frozen_norm(
