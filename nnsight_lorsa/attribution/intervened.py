@@ -61,6 +61,7 @@ import nnsight
 import torch
 
 from ..envoy.edit_log import EDIT_LOG_TAG, Edit, EditLog
+from ..envoy.frozen_attention import frozen_in
 from ..envoy.nnsight_internals import (
     current_worker,
     find_worker,
@@ -421,6 +422,11 @@ def start(replacement: Any, tracer: Any, options: "AttributionOptions | dict[str
     if find_worker(interleaver, EDIT_LOG_TAG) is not None:
         raise TraceOrderError("attribute(rm, tracer=tracer) is already recording this trace: call it once per "
                               "trace and read .graph of the handle it returned")
+    if frozen_in(interleaver) is not None:  # its graph would freeze the live pass's patterns, not the record's
+        raise ArgumentError(
+            "attribute(rm, tracer=tracer) in a trace with frozen attention (prepare(frozen=...)): the graph would "
+            "be of the live pass's patterns, not of the record's. Attribute the intervened trace without frozen "
+            "attention, or read the frozen trace's logits only")
     handle = IntervenedAttribution(replacement, options)
     handle._interleaver = interleaver
     spawn_worker(interleaver, handle._run, EDIT_LOG_TAG).spec = handle._log

@@ -37,11 +37,13 @@ import torch
 
 from ..adapters.base import ArchitectureAdapter, MHSAWeights, mhsa_mask, mhsa_qk, mhsa_values, qk_pattern
 from ..errors import ArgumentError, ShapeError, TraceOrderError
+from .edit_log import EDIT_LOG_TAG
 from .nnsight_internals import (
     current_worker,
     enclosing,
     find_worker,
     hf_module,
+    invoke_rows,
     is_splice,
     park_or_end,
     ran_since_start,
@@ -51,6 +53,7 @@ from .nnsight_internals import (
     spawn_worker,
     traced_method,
 )
+from .padding import noted_inputs
 
 #: the tag of the frozen-attention worker of a trace (:func:`frozen_in`)
 FROZEN_TAG = ("nnsight_lorsa.frozen_attention",)
@@ -71,16 +74,48 @@ class FrozenAttention:
             False they change the unedited pass, so an intervened trace must splice the same ones).
         error: the replacement model's ``error`` flag when it was recorded.
         fingerprint: :func:`fingerprint` of the model it was recorded on (where it ran: on NDIF the server's).
+        ids: the token ids ``(batch, pos)`` and the 2-D attention mask (or None) it was recorded on
+            (:func:`~.padding.noted_inputs`), or None where the model was not called with token ids.
 
     Source: circuit-tracer ``replacement_model_transformerlens.py`` (``setup_intervention_with_freeze``).
     """
 
     def __init__(self, inputs: Mapping[int, torch.Tensor], targets: frozenset, error: bool,
-                 fingerprint: torch.Tensor) -> None:
+                 fingerprint: torch.Tensor, ids: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
         self.inputs = dict(inputs)
         self.targets = targets
         self.error = error
         self.fingerprint = fingerprint
+        self.ids = ids
+
+    def check_prompts(self, noted: tuple[torch.Tensor | None, torch.Tensor | None] | None,
+                      rows: tuple[int, int] | None) -> None:
+        """Refuse a trace of other prompts than recorded: ``noted`` the token ids and mask the trace body read
+        (:func:`~.padding.noted_inputs`; ``rows``: its invoke's ``(start, size)`` of the batch, None: all).
+
+        Raises:
+            ArgumentError: other token ids or padding (a record of other prompts of the same shape would hold the
+                patterns of those prompts: the unedited frozen trace was 59% off the model's logits).
+
+        Source: ours (the record's check against the trace it is applied in).
+        """
+        if self.ids is None or noted is None or noted[0] is None:
+            return
+        ids, mask = self.ids
+        if rows is not None and ids.shape[0] != noted[0].shape[0]:
+            ids = ids[rows[0]:rows[0] + rows[1]]
+            mask = None if mask is None else mask[rows[0]:rows[0] + rows[1]]
+        mask, other_mask = (None if m is None or bool(m.all()) else m.cpu() for m in (mask, noted[1]))  # all tokens
+        same = ids.shape == noted[0].shape and torch.equal(ids.cpu(), noted[0].cpu()) and (
+            (mask is None and other_mask is None)
+            or (mask is not None and other_mask is not None and torch.equal(mask, other_mask)))
+        if not same:
+            what = (f"of shape {tuple(ids.shape)}, this trace's {tuple(noted[0].shape)}"
+                    if ids.shape != noted[0].shape else "with other token ids" if not torch.equal(
+                        ids.cpu(), noted[0].cpu()) else "with other padding")
+            raise ArgumentError(
+                f"prepare(frozen=...): this FrozenAttention was recorded on other prompts ({what}); its patterns are "
+                "those prompts'. Record it with freeze_attention on the prompts of this trace")
 
     def __repr__(self) -> str:
         shape = next(iter(self.inputs.values())).shape if self.inputs else ()
@@ -129,9 +164,11 @@ def install(root: Any, adapter: ArchitectureAdapter, frozen: FrozenAttention,
 
     Raises:
         TraceOrderError: called outside a trace body, or after the model ran the first layer's attention.
-        ArgumentError: inside ``model.generate``; a Lorsa already spliced in this trace (its patterns would stay
-            live: call ``prepare(..., frozen=...)`` first); another :class:`FrozenAttention` already applied in it;
-            ``frozen`` recorded on another model.
+        ArgumentError: inside ``model.generate``; with gradients enabled (the correction carries none: the
+            gradients would be neither model's); in a trace that ``attribute(rm, tracer=tracer)`` records (its graph
+            would be of the live patterns); a Lorsa already spliced in this trace (its patterns would stay live:
+            call ``prepare(..., frozen=...)`` first); another :class:`FrozenAttention` already applied in it;
+            ``frozen`` recorded on a model with other weights or on other prompts (token ids, padding).
     """
     me = current_worker("ReplacementModel.prepare(frozen=...)")
     interleaver = me.interleaver
@@ -139,15 +176,21 @@ def install(root: Any, adapter: ArchitectureAdapter, frozen: FrozenAttention,
     if not torch.equal(fingerprint(model, adapter), frozen.fingerprint):
         raise ArgumentError("prepare(frozen=...): this FrozenAttention was recorded on a model with other weights "
                             "(its first attention's checksum differs); record it on this model")
+    if traced_method(interleaver) == "generate":
+        raise ArgumentError("prepare(frozen=...) inside model.generate: frozen attention holds the patterns of one "
+                            "forward pass over the recorded prompt; run it in model.trace(prompt)")
+    if find_worker(interleaver, EDIT_LOG_TAG) is not None:
+        raise ArgumentError(
+            "prepare(frozen=...) in a trace that attribute(rm, tracer=tracer) records: the graph is of the live "
+            "pass's patterns, not of the record's. Attribute an intervened trace without frozen attention, or read "
+            "the frozen trace's logits only")
+    frozen.check_prompts(noted_inputs(), invoke_rows(me))
     existing = find_worker(interleaver, FROZEN_TAG)
     if existing is not None:
         if existing.frozen is not frozen:
             raise ArgumentError("prepare(frozen=...): another FrozenAttention is already applied in this trace; a "
                                 "trace freezes its attention at one record")
         return
-    if traced_method(interleaver) == "generate":
-        raise ArgumentError("prepare(frozen=...) inside model.generate: frozen attention holds the patterns of one "
-                            "forward pass over the recorded prompt; run it in model.trace(prompt)")
     lorsas = [m.chain.site_paths[0] for m in interleaver.mediators
               if is_splice(m) and m.alive and getattr(m, "chain", None) is not None and m.chain.attach_name == "lorsa"]
     if lorsas:
@@ -181,22 +224,55 @@ def install(root: Any, adapter: ArchitectureAdapter, frozen: FrozenAttention,
             more, skipped = park_or_end(partial(skip_gate, attns[layer].path))
             if not more:
                 return
-            if skipped or torch.equal(x, clean):  # skipped: its output is the trace's; equal: the clean patterns
+            if skipped:  # its output is the trace's
                 continue
-            with torch.no_grad():
-                delta = z_correction(adapter.mhsa_weights(model, layer), x, clean,
-                                     adapter.attention_positions(args, kwargs, x), adapter.attention_mask(args, kwargs))
+            moved = not torch.equal(x, clean)  # else the patterns are the clean ones: nothing to add
+            if not moved and not torch.is_grad_enabled():
+                continue
+            delta = None
+            if moved:
+                with torch.no_grad():
+                    delta = z_correction(adapter.mhsa_weights(model, layer), x, clean,
+                                         adapter.attention_positions(args, kwargs, x),
+                                         adapter.attention_mask(args, kwargs))
             serve_first(worker)  # before the trace body's edits of the heads (MHSAHead at the same input)
             more, pcall = park_or_end(partial(getattr, projs[layer], "inputs"))
             if not more:
                 return
             pargs, pkwargs = pcall
             z = pargs[0]
-            new = (z.detach().to(delta.dtype) + delta.to(z.device)).to(z.dtype)
+            if torch.is_grad_enabled() and z.requires_grad:  # a backward through it is refused, by name
+                new = NoFrozenGradient.apply(z, delta, adapter.attention_path(layer))
+            elif delta is None:
+                continue
+            else:
+                new = (z.to(delta.dtype) + delta.to(z.device)).to(z.dtype)
             projs[layer].inputs = ((new, *pargs[1:]), pkwargs)
 
     worker = spawn_worker(interleaver, body, FROZEN_TAG)
     worker.frozen = frozen
+
+
+class NoFrozenGradient(torch.autograd.Function):
+    """``z + delta`` (``delta`` None: ``z``) in ``z``'s dtype, whose backward raises: the frozen model's gradient of
+    ``z`` is ``A_clean · dv`` (no pattern term), which neither ``z``'s own gradient (the live patterns') nor a
+    detached sum gives — so a backward through a frozen attention is refused by name rather than silently wrong
+    (until 2026-11-30 the sum was detached: no gradient through those values). The frozen model's gradients are the
+    attribution graph's (:func:`nnsight_lorsa.attribute`)."""
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor, delta: torch.Tensor | None, where: str) -> torch.Tensor:
+        ctx.where = where
+        if delta is None:
+            return z.clone()
+        return (z.to(delta.dtype) + delta.to(z.device)).to(z.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise ArgumentError(
+            f"a backward pass reached the frozen attention at {ctx.where}: its gradient (the frozen model's, "
+            "A_clean · dv) is not computed here, and the live one would be wrong. Run frozen-attention traces under "
+            "torch.no_grad(); the frozen model's gradients are the attribution graph's (attribute)")
 
 
 def z_correction(w: MHSAWeights, x: torch.Tensor, clean: torch.Tensor, positions: torch.Tensor,

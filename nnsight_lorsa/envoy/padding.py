@@ -26,6 +26,8 @@ from .targets import Positions, positions_index
 
 #: the attribute under which :func:`padding_mask` leaves a body's mask on its worker (nnsight's mediator)
 _NOTE = "nnsight_lorsa_padding"
+#: and the token ids and 2-D mask it read (:func:`noted_inputs`)
+_INPUTS = "nnsight_lorsa_inputs"
 
 
 def padding_mask(model: Any) -> torch.Tensor | None:
@@ -50,9 +52,11 @@ def padding_mask(model: Any) -> torch.Tensor | None:
     if ran_since_start(worker, model.path) > 0:
         raise TraceOrderError("padding_mask(model) must come first in the trace body (or invoke), before anything "
                               "the model computes is read: it reads the model's inputs")
-    _, kwargs = model.inputs
+    args, kwargs = model.inputs
     mask = kwargs.get("attention_mask")
     mask = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    setattr(worker, _INPUTS, (ids if isinstance(ids, torch.Tensor) else None, mask))
     mask = None if mask is None or bool(mask.all()) else mask
     setattr(worker, _NOTE, mask)
     return mask
@@ -79,6 +83,13 @@ def noted_padding() -> torch.Tensor | None:
     except TraceOrderError:
         return None
     return getattr(worker, _NOTE, None)
+
+
+def noted_inputs() -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """The model's token ids ``(batch, pos)`` and 2-D mask (bool, or None) that :func:`padding_mask` read in the
+    running trace body (or invoke) — ``(None, …)`` for inputs that are not token ids; None when it was not called
+    there."""
+    return getattr(current_worker("an intervention"), _INPUTS, None)
 
 
 def check_not_padding(mask: torch.Tensor | None, positions: Positions, what: str) -> None:

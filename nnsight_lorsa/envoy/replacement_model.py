@@ -363,9 +363,10 @@ class ReplacementModel:
         Raises:
             LayerOutOfRangeError, TargetIndexError, ConfigMismatchError: as :meth:`check`, for each target, before
                 anything is spliced.
-            ArgumentError: ``frozen`` not a FrozenAttention; recorded on another model, with another ``error`` flag,
-                or (``error`` False, where the replacements change the unedited pass) for other targets; given after
-                a Lorsa was spliced in this trace, or inside ``model.generate``.
+            ArgumentError: ``frozen`` not a FrozenAttention; recorded on a model with other weights, on other
+                prompts, with another ``error`` flag, or (``error`` False, where the replacements change the unedited
+                pass) for other targets; given after a Lorsa was spliced in this trace, with gradients enabled, in a
+                trace ``attribute(rm, tracer=tracer)`` records, or inside ``model.generate``.
 
         Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
         none).

@@ -14,6 +14,7 @@ import torch
 
 from ..envoy.frozen_attention import FrozenAttention, fingerprint
 from ..envoy.nnsight_internals import hf_module
+from ..envoy.padding import noted_inputs
 from ..envoy.replacement_model import check_replacement_model
 from ..envoy.targets import Feature, LorsaHead, MHSAHead
 from ..errors import ConfigMismatchError
@@ -66,9 +67,11 @@ def freeze_attention(replacement: Any, prompts: Any, targets: Any = (), *, remot
     adapter = r.adapter
     inputs: dict[int, torch.Tensor] = {}
     with torch.no_grad(), r.model.trace(prompts, remote=remote):
-        r.prepare(targets)
+        r.prepare(targets)  # reads the model's inputs first (arm_padding_check): the token ids recorded below
+        ids = nnsight.save(noted_inputs())
         checksum = nnsight.save(fingerprint(hf_module(r.model), adapter))  # where the model runs: the server's
         for layer in range(adapter.n_layers):
             args, kwargs = r.model.get(adapter.attention_path(layer)).inputs
             inputs[layer] = nnsight.save(adapter.attention_input(args, kwargs).detach().clone())
-    return FrozenAttention(inputs, frozenset(targets), r.error, checksum)
+    seen = None if ids is None or ids[0] is None else ids
+    return FrozenAttention(inputs, frozenset(targets), r.error, checksum, seen)
