@@ -88,3 +88,27 @@ def check_real(who: str, name: str, value: Any, *, positive: bool = False, upper
         lo = "(0" if positive else "[0"
         hi = "inf)" if upper is None else (f"{upper:g})" if upper_open else f"{upper:g}]")
         raise ArgumentError(f"{who}.{name} must be in {lo}, {hi}, got {value!r}")
+
+
+#: the attribute a :class:`~nnsight_lorsa.training.trainer.Trainer` sets on the module it trains in place — its
+#: working copy in the normalised training space (``(s_in, s_out)``); :meth:`~nnsight_lorsa.training.trainer.Trainer.
+#: folded` gives the copy acting on raw activations, without it
+TRAINING_SPACE = "_nnsight_lorsa_training_space"
+
+
+def refuse_training_space(module: Any, where: str) -> None:
+    """Refuse a module a Trainer is training in place (:data:`TRAINING_SPACE`): its weights act on normalised
+    activations (``x · s_in -> y · s_out``), so spliced, evaluated or saved as it is it computes the wrong outputs
+    without a word (a researcher's probe of 2026-11-30: a transcoder's FVU 0.887 / CE 4.362 where its folded copy's
+    were 0.491 / 4.008).
+
+    Raises:
+        ArgumentError: names ``where``, the module and the scale factors, and points to ``trainer.folded()``.
+    """
+    scales = getattr(module, TRAINING_SPACE, None)
+    if scales is not None:
+        raise ArgumentError(
+            f"{where}: this {type(module).__name__} is a Trainer's working module, trained in place in its normalised "
+            f"space (inputs × s_in = {scales[0]:.4g}, outputs × s_out = {scales[1]:.4g}): on raw activations its "
+            "outputs are wrong. Use trainer.folded() — a copy acting on raw activations — to splice, evaluate or "
+            "save it")

@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from .._checks import check_flag, is_collection, is_int
+from .._checks import check_flag, is_collection, is_int, refuse_training_space
 from .._placement import (
     check_one_dtype,
     check_placement_args,
@@ -650,6 +650,7 @@ class ReplacementSet(Generic[K, M]):
     def __setitem__(self, key: K, module: M) -> None:
         if not self.holds(module):
             raise ConfigMismatchError(self.wrong_kind(key, module))
+        refuse_training_space(module, f"{type(self).__name__}[{key!r}]")
         k = self.check(key, module)
         check_one_dtype(module, f"the {type(module).__name__} for {self.site_path(k)}")
         with kept_on_failure([module]):  # until 2026-11-28 a failed placement left it marked / partly moved

@@ -21,8 +21,23 @@ from typing import Any, Literal
 
 import torch
 
+from .._checks import is_int
 from .._repr import FieldsRepr
 from ..errors import LorsaError
+
+#: an int field of a target: a Python int, or a numpy integer / 0-d integer tensor taken as its int (``__post_init__``)
+IntLike = Any
+
+
+def _ints(target: Any, *names: str) -> None:
+    """Each field ``names`` of a frozen target that is an integer of another type (a numpy integer, a 0-d integer
+    tensor such as ``z.argmax()``) as the Python int it is, so that equal targets are equal and hash alike; anything
+    else is left for the checks (:func:`check_index`). Until 2026-11-30 ``LorsaHead(2, z.argmax())`` was refused as
+    "index tensor(7) is out of range"."""
+    for name in names:
+        value = getattr(target, name)
+        if not isinstance(value, int) and is_int(value):
+            object.__setattr__(target, name, int(value))
 
 
 class TargetIndexError(LorsaError, IndexError):
@@ -39,8 +54,11 @@ class MHSAHead(FieldsRepr):
     Source: ours (intervention targets of this package; *From Tokenization to Attribution Graphs* §10).
     """
 
-    layer: int
-    head: int
+    layer: IntLike
+    head: IntLike
+
+    def __post_init__(self) -> None:
+        _ints(self, "layer", "head")
 
 
 @dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
@@ -50,8 +68,11 @@ class LorsaHead(FieldsRepr):
     Source: ours (intervention targets of this package; *From Tokenization to Attribution Graphs* §10).
     """
 
-    layer: int
-    head: int
+    layer: IntLike
+    head: IntLike
+
+    def __post_init__(self) -> None:
+        _ints(self, "layer", "head")
 
 
 @dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
@@ -61,9 +82,12 @@ class Feature(FieldsRepr):
     Source: ours (intervention targets of this package; *From Tokenization to Attribution Graphs* §10).
     """
 
-    site: str | int
-    index: int
+    site: str | IntLike
+    index: IntLike
     kind: Literal["sae", "transcoder"] = "sae"
+
+    def __post_init__(self) -> None:
+        _ints(self, "site", "index")
 
 
 Target = MHSAHead | LorsaHead | Feature

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .._atomic import resolve
+from .._checks import refuse_training_space
 from .._placement import check_placement_args
 from ..errors import (
     ArgumentError,
@@ -514,11 +515,15 @@ def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT
         CheckpointError: a config that is not JSON-serialisable.
         PlacementError: a module (or one of a set's) has its weights on the ``meta`` device (never
             materialised): nothing is written.
+        ArgumentError: (also) a module a Trainer is training in place, in its normalised space: save
+            ``trainer.folded()``.
 
     Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
     check_path(path, "save", "a directory")
     _check_not_meta(obj, path)
+    for module in (obj.values() if isinstance(obj, Mapping) else [obj]):
+        refuse_training_space(module, "save")
     fmt = _format(format)
     if not fmt.writers:
         raise UnsupportedArchitectureError(f"format {format!r} is read-only; writable: "

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from .._checks import check_flag
+from .._checks import TRAINING_SPACE, check_flag
 from .._placement import check_placement_args, f32, placement
 from ..errors import (
     ArgumentError,
@@ -209,7 +209,13 @@ class Trainer:
                 t.copy_(value)
             raise
         assert self.s_in is not None and self.s_out is not None
+        self._mark_training_space()
         return self.s_in, self.s_out
+
+    def _mark_training_space(self) -> None:
+        """Mark the module as this trainer's working copy in normalised space (:data:`~.._checks.TRAINING_SPACE`):
+        the sets and ``save`` refuse it, pointing to :meth:`folded`."""
+        setattr(self.module, TRAINING_SPACE, (float(self.s_in or 1.0), float(self.s_out or 1.0)))
 
     def _check_scales(self) -> None:
         """Raise :class:`NonFiniteError` unless every scale factor is a finite positive number."""
@@ -261,7 +267,9 @@ class Trainer:
         ``src/llamascopium/models/lorsa.py``.
         """
         with self.masters.editing(self.module):  # a bf16 module's fold is computed on its fp32 masters, rounded once
-            return self.objective.fold(self.state)  # row chunk by row chunk: no fp32 copy of the module (2026-11-28)
+            out = self.objective.fold(self.state)  # row chunk by row chunk: no fp32 copy of the module (2026-11-28)
+        out.__dict__.pop(TRAINING_SPACE, None)  # a copy acting on raw activations: not the working module
+        return out
 
     # -------------------------------------------------------------- loss helpers
     def count_fired(self, fired: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -488,8 +496,9 @@ class Trainer:
         :meth:`log_evaluation` until :meth:`close_logging`.
 
         Raises:
-            ArgumentError: ``steps`` not a non-negative int; ``checkpoint_every`` not an int ≥ 0, or > 0 without
-                ``checkpoint_dir`` (nothing would be saved); ``checkpoint_dir`` not None, a str or ``os.PathLike``;
+            ArgumentError: ``steps`` not a non-negative int, or given (> 0) when the run is at ``total_steps``;
+                ``checkpoint_every`` not an int ≥ 0, or > 0 without ``checkpoint_dir`` (nothing would be saved);
+                ``checkpoint_dir`` not None, a str or ``os.PathLike``;
                 ``progress`` not a bool, ``on_log`` not None or a callable — before the first step.
             MissingDependencyError: ``wandb_project`` is set and ``wandb`` is not installed (before any step).
             NonFiniteError, TooFewTokensError: see :meth:`train_step`.
@@ -508,6 +517,11 @@ class Trainer:
             raise ArgumentError(f"Trainer.train(on_log=...) must be None or a callable taking each history entry, got "
                                 f"a {type(on_log).__name__}")
         logger = self._wandb_run()  # before the first step: a missing wandb stops the run here
+        if steps and self.step >= self.config.total_steps:  # until 2026-11-30 a silent no-op
+            raise ArgumentError(
+                f"Trainer.train({steps}): the run is at its end (step {self.step} of total_steps "
+                f"{self.config.total_steps}; the learning-rate schedule decays to there), so no step would run. Raise "
+                "trainer.config.total_steps to go on (the schedule follows it), or train a new Trainer")
         end = self.config.total_steps if steps is None else min(self.config.total_steps, self.step + steps)
         bar = tqdm(total=end - self.step, disable=not progress, desc=self.objective.desc, dynamic_ncols=True)
         try:
@@ -755,6 +769,8 @@ class Trainer:
         # own state, so that their refusal leaves the trainer as it was (until 2026-11-28 it ran last)
         self.objective.restore_meta(self.state, meta, d / "trainer.json")
         self.step, self.s_in, self.s_out = meta["step"], meta["s_in"], meta["s_out"]
+        if self.s_in is not None:
+            self._mark_training_space()
         self.wandb_run_id = run_id  # the W&B run (if any) goes on in the same run
         self.run_info = dict(run_info)
         self.history = [dict(h) for h in history]

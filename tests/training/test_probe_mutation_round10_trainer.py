@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from nnsight_lorsa.errors import RankFailedError
+from nnsight_lorsa.errors import ArgumentError, RankFailedError
 from nnsight_lorsa.training.activations import Batch
 from nnsight_lorsa.training.distributed import DataParallel
 
@@ -208,8 +208,10 @@ def test_train_takes_that_many_more_steps_logs_on_its_cadence_and_checkpoints_on
     assert seen == [1, 2, 3, 4, 5] and [m["step"] for m in trainer.history] == seen
     assert saved == [4, 5]  # after step 4 (not 3), and at the end
     assert Trainer.load_checkpoint(tmp_path / "ck")[0]["step"] == 5
-    trainer.train(5, progress=False)
-    assert trainer.step == 5  # total_steps reached: nothing more
+    with pytest.raises(ArgumentError, match="at its end"):  # total_steps reached: refused (a silent no-op until
+        trainer.train(5, progress=False)  # 2026-11-30: tests/training/test_probe_day_one.py)
+    trainer.train(progress=False)  # to total_steps: nothing more to do, quietly
+    assert trainer.step == 5
 
 
 def test_an_infinite_activation_is_refused_before_it_makes_a_zero_scale_factor():
