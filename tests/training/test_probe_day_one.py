@@ -77,3 +77,4 @@ def test_a_split_holds_out_the_count_its_fraction_names(n):
         k = max(1, min(n - 1, k))
         train, held = data.split(k / n)
         assert len(held) == k and len(train) == n - k
+
