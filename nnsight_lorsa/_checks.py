@@ -18,7 +18,7 @@ from .errors import ArgumentError
 
 def is_int(value: Any) -> bool:
     """An integer (Python or numpy: anything ``operator.index`` takes), never a bool."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("torch.bool", "bool"):  # (a 0-d bool tensor)
         return False
     try:
         operator.index(value)

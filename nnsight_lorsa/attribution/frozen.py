@@ -84,8 +84,8 @@ def norm_scale(norm: nn.Module, x: Float[torch.Tensor, "batch pos d"]) -> Float[
             xc = x - x.mean(-1, keepdim=True)
             return torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + float(getattr(norm, "eps")))  # noqa: B009
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-        if eps is None and isinstance(norm, getattr(nn, "RMSNorm", ())):  # torch's: None = the input dtype's eps
-            eps = torch.finfo(x.dtype).eps
+        if eps is None and isinstance(norm, getattr(nn, "RMSNorm", ())):  # torch's None: the eps of the dtype it
+            eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps  # computes in (fp32 for bf16 / fp16)
         if getattr(norm, "weight", None) is None or eps is None:
             raise UnsupportedArchitectureError(f"cannot freeze a {type(norm).__name__}: not a LayerNorm or RMSNorm")
         return torch.rsqrt(_upcast(x).pow(2).mean(-1, keepdim=True) + float(eps))

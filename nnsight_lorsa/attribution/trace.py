@@ -149,7 +149,7 @@ def tokenize(model: Any, prompt: Any) -> torch.Tensor:
     if isinstance(prompt, str):
         ids = tokenizer_of(model, "attribute(prompt=<text>)")(prompt, return_tensors="pt")["input_ids"][0]
     elif isinstance(prompt, (list, tuple)) and prompt and (isinstance(prompt[0], str) or len(prompt) > 1 and any(
-            isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt)):  # texts, or several id sequences
+            isinstance(p, (str, list, tuple)) or getattr(p, "ndim", 0) >= 1 for p in prompt)):  # texts, id sequences
         raise ArgumentError(
             f"attribute takes one prompt (a text or a sequence of token ids) per graph, got a {type(prompt).__name__} "
             f"of {len(prompt)} prompts: attribute each one (a graph is of one prompt; batch_size batches its rows)")

@@ -60,6 +60,8 @@ FROZEN_TAG = ("nnsight_lorsa.frozen_attention",)
 
 #: the most pattern elements (query × key × heads × rows) one step of the correction holds, per pattern
 CHUNK_ELEMENTS = 1 << 25
+#: the most elements of a parameter :func:`fingerprint` copies to fp64 at once (fixed: the order of the sums counts)
+FINGERPRINT_CHUNK = 1 << 24
 
 
 class FrozenAttention:
@@ -141,12 +143,16 @@ class FrozenAttention:
 
 def fingerprint(model: Any, adapter: ArchitectureAdapter) -> torch.Tensor:
     """A checksum of a Hugging Face model's weights, to tell the model a :class:`FrozenAttention` was recorded on:
-    ``Σ_i (i + 1) · Σ p_i`` over the first attention module's parameters (sorted by name), in fp64, a 0-d tensor on
-    the CPU — computed where the model runs (on NDIF in the request, from the server's weights)."""
-    params = sorted(adapter.attention_module(model, 0).named_parameters())
-    total = torch.zeros((), dtype=torch.float64, device="cpu")
-    for i, (_, p) in enumerate(params):
-        total = total + (i + 1) * p.detach().double().sum().cpu()
+    ``(Σ_i (i + 1) · Σ p_i, Σ_i Σ p_i²)`` over every parameter (sorted by name), in fp64, on the CPU — computed where
+    the model runs (on NDIF in the request, from the server's weights; one read of the weights, ~5 ms for 16 GB on a
+    GPU). Until 2026-11-30 the first attention's only: weights changed after recording in a later layer (an in-place
+    edit, a fine-tune) were not seen, and the unedited frozen trace was 5.1e-4 off the model's own pass. ``adapter`` is
+    kept for the signature (the model family is the model's)."""
+    total = torch.zeros(2, dtype=torch.float64, device="cpu")
+    for i, (_, p) in enumerate(sorted(model.named_parameters(), key=lambda kv: kv[0])):
+        for chunk in p.detach().reshape(-1).split(FINGERPRINT_CHUNK):  # fp64 copies of at most a chunk
+            c = chunk.double()
+            total += torch.stack([(i + 1) * c.sum(), c.pow(2).sum()]).cpu()
     return total
 
 
@@ -175,7 +181,7 @@ def install(root: Any, adapter: ArchitectureAdapter, frozen: FrozenAttention,
     model = hf_module(root)
     if not torch.equal(fingerprint(model, adapter), frozen.fingerprint):
         raise ArgumentError("prepare(frozen=...): this FrozenAttention was recorded on a model with other weights "
-                            "(its first attention's checksum differs); record it on this model")
+                            "(their checksum differs); record it on this model as it is now")
     if traced_method(interleaver) == "generate":
         raise ArgumentError("prepare(frozen=...) inside model.generate: frozen attention holds the patterns of one "
                             "forward pass over the recorded prompt; run it in model.trace(prompt)")
@@ -197,7 +203,9 @@ def install(root: Any, adapter: ArchitectureAdapter, frozen: FrozenAttention,
         raise ArgumentError(f"prepare(frozen=...): a Lorsa is already spliced in this trace at {lorsas[0]}, with its "
                             "patterns live; call prepare(targets, frozen=...) first in the body, before any replace()")
     layers = sorted(frozen.inputs)
-    if layers and ran_since_start(me, adapter.attention_path(layers[0])) > 0:
+    # the envoy's path (``model.model.layers.0.self_attn``), which the run's counts use; the adapter's module path
+    # (``model.layers.0.self_attn``) was never counted: until 2026-11-30 a late prepare was taken and froze nothing
+    if layers and ran_since_start(me, root.get(adapter.attention_path(layers[0])).path) > 0:
         raise TraceOrderError("prepare(frozen=...): the model already ran the first layer's attention in this "
                               "forward pass; call it first in the trace body")
     attns = {layer: root.get(adapter.attention_path(layer)) for layer in layers}

@@ -317,3 +317,21 @@ def test_attributing_a_frozen_trace_is_refused_in_either_order():
         rm.replace()
         attribute(rm, tracer=tracer)
         rm.prepare([], frozen=record)
+
+
+def test_a_late_prepare_and_weights_changed_after_recording_are_refused():
+    """Found by the session's mutation review: the "came too late" check looked up the adapter's module path, which
+    the run never counts (a late ``prepare(frozen=...)`` was taken and froze nothing: its logits were the live ones);
+    the record's checksum covered the first attention only (a later layer's weights changed after recording went
+    unseen: the unedited frozen trace 5.1e-4 off the model)."""
+    model, hf = tiny_nnsight("llama")
+    rm = ReplacementModel(model)
+    ids = random_ids(2, 9, seed=4)
+    record = freeze_attention(rm, ids)
+    with pytest.raises(TraceOrderError, match="first in the trace body"), torch.no_grad(), model.trace(ids):
+        model.model.layers[0].self_attn.output[0].save()  # layer 0's attention has run
+        rm.prepare([], frozen=record)
+    with torch.no_grad():
+        hf.model.layers[2].mlp.down_proj.weight[0, 0] += 1e-3
+    with pytest.raises(ArgumentError, match="other weights"), torch.no_grad(), model.trace(ids):
+        rm.prepare([], frozen=record)

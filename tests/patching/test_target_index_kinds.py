@@ -39,3 +39,11 @@ def test_an_argmax_head_edits_what_the_int_head_edits():
     assert torch.equal(outs[0], outs[1])
     with pytest.raises(TargetIndexError):
         rm(LorsaHead(1, 7.0))
+
+
+def test_a_bool_tensor_is_no_index():
+    """``torch.tensor(True)`` went through ``operator.index`` as 1 (the mutation review): refused as a bool."""
+    model, hf = tiny_nnsight("llama")
+    rm = ReplacementModel(model)
+    with pytest.raises(TargetIndexError):
+        rm(MHSAHead(0, torch.tensor(True)))
