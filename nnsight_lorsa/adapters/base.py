@@ -392,7 +392,11 @@ class ArchitectureAdapter:
             index = None if isinstance(layer, bool) else operator.index(layer)
         except TypeError:
             index = None
-        if index is None or not 0 <= index < self.n_layers:
+        if index is None:  # a str, float, bool … is no layer (said "out of range" for "1" until 2026-11-30)
+            raise LayerOutOfRangeError(
+                f"layer {layer!r} must be an int in 0..{self.n_layers - 1} for a {self.n_layers}-layer {self.family} "
+                f"model, got a {type(layer).__name__}")
+        if not 0 <= index < self.n_layers:
             raise LayerOutOfRangeError(
                 f"layer {layer!r} is out of range for a {self.n_layers}-layer {self.family} model"
                 f" (valid: 0..{self.n_layers - 1})"

@@ -194,7 +194,7 @@ def _check(lorsa_set: Any, layer: int, head: int, sae: Any, tokens: torch.Tensor
 
     lorsa = lorsa_set[layer]  # LayerOutOfRangeError: no Lorsa at this layer
     n_ov, d_model = lorsa.cfg.n_ov_heads, lorsa.cfg.d_model
-    if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < n_ov:
+    if not is_int(head) or not 0 <= int(head) < n_ov:  # numpy / 0-d tensor integers too (a researcher's argmax)
         raise ShapeError(f"head {head!r} out of range [0, {n_ov}) of the Lorsa of layer {layer}")
     if isinstance(sae, ReplacementModule) and not SAESet.holds(sae):
         # a transcoder's decoder rows are MLP-output directions, not directions of the input it reads
@@ -294,6 +294,7 @@ def qk_feature_impacts(
     refuse_stored_edits(model, "qk_feature_impacts", "the Lorsa's queries and keys")
     check_tokens(tokens, model)
     lorsa, keep = _check(lorsa_set, layer, head, sae, tokens, features, batch_size)
+    head = int(head)  # a numpy / 0-d tensor integer as the int it is
     mask = check_attention_mask(attention_mask, tokens)
     counted = kept_tokens(mask, tuple(tokens.shape), 1 if skip_first else 0)  # (n_windows, pos) host
     adapter = get_adapter(model)

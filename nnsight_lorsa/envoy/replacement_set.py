@@ -113,6 +113,11 @@ def check_load_placement(kwargs: Mapping[str, Any]) -> None:
                              "formats.load(..., device='meta')")
 
 
+#: the set that holds each module kind (by class name: the modules are not imported here), for refusals' hints
+_SET_OF = {"Lorsa": "LorsaSet", "CrossLayerTranscoder": "CLTSet", "Transcoder": "TranscoderSet",
+           "SparseAutoencoder": "SAESet"}
+
+
 def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[str, Any], Any], *, format: str,
                noun: str, key_name: str, hint: str = "", **kwargs: Any) -> dict:
     """``{key: module}`` from checkpoints (each through ``formats.load_all``), for ``from_pretrained``.
@@ -158,7 +163,9 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     for key, src in items:
         for name, module in _load_source(src, format, kwargs).items():
             if not isinstance(module, module_type):  # the set's kind (its ``module_type``)
-                raise ConfigMismatchError(f"{src}: {name} holds a {type(module).__name__}, not {noun}{hint}")
+                held = next((f" (use {kind})" for cls in type(module).__mro__ if (kind := _SET_OF.get(cls.__name__))),
+                            hint)  # the set of what it holds (a Lorsa read by TranscoderSet said "use SAESet")
+                raise ConfigMismatchError(f"{src}: {name} holds a {type(module).__name__}, not {noun}{held}")
             k = key if key is not None else key_of(name, module)
             if k is None:
                 raise ConfigMismatchError(f"{src}: {name} names no {key_name}; pass {{{key_name}: {str(src)!r}}}")

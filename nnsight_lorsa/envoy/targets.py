@@ -137,5 +137,9 @@ def index_at(cols: tuple, positions: Positions) -> tuple:
 
 
 def check_index(i: Any, n: int, what: str) -> None:
-    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
+    """Refuse an index ``i`` that is not an int (numpy / 0-d tensor integers are: :func:`~.._checks.is_int`) in
+    ``[0, n)``, naming ``what``."""
+    if not is_int(i):
+        raise TargetIndexError(f"{what} index {i!r} must be an int in [0, {n}), got a {type(i).__name__}")
+    if not 0 <= int(i) < n:
         raise TargetIndexError(f"{what} index {i!r} is out of range [0, {n})")

@@ -104,6 +104,7 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
     mask = check_attention_mask(attention_mask, tokens)
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
     check_index(head, lorsa.cfg.n_ov_heads, f"head_dashboard_data: layer {layer}'s Lorsa OV head")
+    head = int(head)  # a numpy / 0-d tensor integer as the int it is (was refused as "out of range")
     if not isinstance(top, TopActivations) or top.values.shape[0] != lorsa.cfg.n_ov_heads:
         got = f"one of {top.values.shape[0]} heads" if isinstance(top, TopActivations) else type(top).__name__
         raise ArgumentError(f"head_dashboard_data: top must be collect_top_activations(...) of layer {layer}'s Lorsa "
