@@ -201,6 +201,7 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
         "random_ablation_control": same(patching.random_ablation_control, r, task.clean, heads, 2, n_samples=2,
                                         **answers),
         "mean_activations": same(patching.mean_activations, r, [LorsaHead(1, 0)], task.clean),
+        "freeze_attention": same(patching.freeze_attention, r, task.clean),
         "head_swap": same(patching.head_swap, r, 1, 0, 1, task.clean),
         "circuit_size": same(patching.circuit_size, r, task, [MHSAHead(0, h) for h in range(4)]),
         "induction_task": same(patching.induction_task, words, n_prompts=2, seq_len=3),

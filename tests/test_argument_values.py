@@ -40,7 +40,9 @@ ALLOWED = {
     # texts, labels and paths: "x" is one
     ("LorsaConfig.from_mhsa", "architecture", "'x'"), ("TokenDataset.from_text", "document_separator", "'x'"),
     ("attribute", "prompt", "'x'"), ("estimate_memory", "prompt", "'x'"), ("cache_for_attribution", "prompt", "'x'"),
-    ("mean_activations", "prompts", "'x'"), ("head_swap", "prompts", "'x'"), ("to_neuronpedia", "slug", "'x'"),
+    ("mean_activations", "prompts", "'x'"), ("head_swap", "prompts", "'x'"), ("freeze_attention", "prompts", "'x'"),
+    ("to_neuronpedia", "slug", "'x'"),
+    ("freeze_attention", "targets", "[]"),  # no targets: the default's kind, empty
     ("save_neuronpedia", "path", "'x'"), ("greater_than_task", "noun", "'x'"),
     ("to_neuronpedia", "creator_name", "'x'"), ("to_neuronpedia", "scan", "'x'"), ("render_html", "path", "'x'"),
     ("render_html", "title", "'x'"),
@@ -96,6 +98,8 @@ NOT_PROBED = {
                         ".attention)",
     "DataParallel": "needs a torch.distributed process group (tests/training/test_ddp*.py)",
     "LorsaObjective": "made by the Trainer from a Lorsa (tests/training/)",
+    "FrozenAttention": "made by freeze_attention (tests/patching/test_frozen_attention.py; its kinds checked, "
+                       "tests/test_none_arguments.py)",
     "resolve_release": "needs a SAELens release registry file (tests/formats/test_saelens_releases*.py)",
     "write_pictures": "the demo's last stage: attributes a prompt and writes its pictures (tests/test_demo.py)",
     "register": "changes how this process's nnsight pickles (tests/test_remote.py; its guard flag is checked first)",

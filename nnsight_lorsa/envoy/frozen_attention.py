@@ -84,6 +84,16 @@ class FrozenAttention:
 
     def __init__(self, inputs: Mapping[int, torch.Tensor], targets: frozenset, error: bool,
                  fingerprint: torch.Tensor, ids: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+        # made by freeze_attention; a hand-made one is checked for its kinds (a named error, not a TypeError deep in
+        # a trace)
+        if not (isinstance(inputs, Mapping) and inputs and all(
+                isinstance(k, int) and isinstance(v, torch.Tensor) and v.dim() == 3 for k, v in inputs.items())):
+            raise ArgumentError(f"FrozenAttention(inputs=...) must be a non-empty {{layer: (batch, pos, d_model) "
+                                f"tensor}}, got {type(inputs).__name__}: make it with freeze_attention(rm, prompts)")
+        if not isinstance(targets, (frozenset, set)) or not isinstance(error, bool) or not isinstance(
+                fingerprint, torch.Tensor) or not (ids is None or isinstance(ids, tuple) and len(ids) == 2):
+            raise ArgumentError("FrozenAttention(targets=, error=, fingerprint=, ids=): a set of targets, a bool, a "
+                                "tensor and None or (token ids, mask); make it with freeze_attention(rm, prompts)")
         self.inputs = dict(inputs)
         self.targets = targets
         self.error = error

@@ -12,6 +12,7 @@ from typing import Any
 import nnsight
 import torch
 
+from ..attribution.options import check_remote
 from ..envoy.frozen_attention import FrozenAttention, fingerprint
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.padding import noted_inputs
@@ -49,7 +50,8 @@ def freeze_attention(replacement: Any, prompts: Any, targets: Any = (), *, remot
 
     Raises:
         TraceOrderError: called inside a trace body (it runs its own).
-        ArgumentError: prompts nnsight cannot batch, or token ids outside the model's vocabulary / positions.
+        ArgumentError: prompts nnsight cannot batch, or token ids outside the model's vocabulary / positions;
+            ``remote`` not True, False or ``"local"``.
         ConfigMismatchError: ``targets`` not a list / tuple of targets, or a target the model does not have.
 
     Source: circuit-tracer ``replacement_model_transformerlens.py`` (``setup_intervention_with_freeze``, the
@@ -57,6 +59,7 @@ def freeze_attention(replacement: Any, prompts: Any, targets: Any = (), *, remot
     """
     r = check_replacement_model(replacement, "freeze_attention")
     refuse_inside_trace("freeze_attention")
+    check_remote(remote, "freeze_attention")
     if not isinstance(targets, (list, tuple)) or not all(isinstance(t, (MHSAHead, LorsaHead, Feature))
                                                          for t in targets):
         raise ConfigMismatchError(f"freeze_attention: targets must be a list or tuple of MHSAHead / LorsaHead / "
