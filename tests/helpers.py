@@ -499,6 +499,29 @@ def pattern_holding_attention(arch: Any, recording: Any, patterns: dict) -> Any:
     return attention
 
 
+def pattern_held_logits(hf, monkeypatch, inputs: dict, hooks_of) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The unembedding's output of ``hf(**inputs)`` with every attention pattern held at the first (unedited) pass's
+    (:func:`pattern_holding_attention`) and the forward hooks ``hooks_of(st)`` registered for both passes (acting when
+    ``not st["record"]``): frozen attention's reference (``tests/patching/test_*frozen_attention*.py``)."""
+    import importlib
+
+    arch = importlib.import_module(type(hf).__module__)
+    st: dict = {"record": True, "pattern": {}}
+    monkeypatch.setattr(arch, "eager_attention_forward",
+                        pattern_holding_attention(arch, lambda: st["record"], st["pattern"]))
+    seen: list = []
+    hooks = [*hooks_of(st), hf.get_output_embeddings().register_forward_hook(lambda m, a, o: seen.append(o))]
+    try:
+        with torch.no_grad():
+            hf(**inputs)
+            st["record"] = False
+            hf(**inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen[-1]
+
+
 def drawn_clt(n_layers: int, d_sae: int, kind: str, skip: bool, seed: int, d_model: int = 64) -> Any:
     """A CrossLayerTranscoder with drawn weights away from its initialisation: JumpReLU thresholds in
     ``[0, 0.4)``, a small skip, every other weight perturbed; TopK's ``k`` is ``d_sae // 6`` (at least 1)."""

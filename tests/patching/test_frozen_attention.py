@@ -11,7 +11,14 @@ import importlib
 
 import pytest
 import torch
-from helpers import make_lorsa, make_transcoders, pattern_holding_attention, random_ids, tiny_nnsight
+from helpers import (
+    make_lorsa,
+    make_transcoders,
+    pattern_held_logits,
+    pattern_holding_attention,
+    random_ids,
+    tiny_nnsight,
+)
 
 from nnsight_lorsa import ReplacementModel, get_adapter
 from nnsight_lorsa.envoy.targets import Feature, LorsaHead, MHSAHead
@@ -271,33 +278,21 @@ def test_a_padded_batch_is_frozen_at_its_own_masked_patterns(family, monkeypatch
     live = logits_of(model, rm, prompts, [target], lambda r: ablate(r(target), positions=[-3]))
     enc = model.tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
     assert not bool(enc["attention_mask"].all())  # padded
-    arch = importlib.import_module(type(hf).__module__)
-    st: dict = {"record": True, "pattern": {}}
-    monkeypatch.setattr(arch, "eager_attention_forward", pattern_holding_attention(arch, lambda: st["record"],
-                                                                                   st["pattern"]))
     d = adapter.head_dim
     proj = adapter.get_module(hf, f"{adapter.attention_path(0)}.{out_projection(hf, adapter, 0)}")
 
-    def zero_head(module, args):
-        if not st["record"]:
-            z = args[0].clone()
-            z[:, -3, d:2 * d] = 0
-            return (z, *args[1:])
-    seen: list = []
-    hooks = [proj.register_forward_pre_hook(zero_head),
-             hf.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(out))]
-    try:
-        with torch.no_grad():
-            hf(**enc)
-            st["record"] = False
-            hf(**enc)
-    finally:
-        for hk in hooks:
-            hk.remove()
+    def hooks_of(st):
+        def zero_head(module, args):
+            if not st["record"]:
+                z = args[0].clone()
+                z[:, -3, d:2 * d] = 0
+                return (z, *args[1:])
+        return [proj.register_forward_pre_hook(zero_head)]
+    want = pattern_held_logits(hf, monkeypatch, dict(enc), hooks_of)
     tokens = enc["attention_mask"].bool()
-    scale_ = float(seen[-1].abs().max())
-    assert float((got - seen[-1]).abs().amax(-1)[tokens].max()) / scale_ < 2e-5
-    assert float((live - seen[-1]).abs().amax(-1)[tokens].max()) / scale_ > 1e-3
+    scale_ = float(want.abs().max())
+    assert float((got - want).abs().amax(-1)[tokens].max()) / scale_ < 2e-5
+    assert float((live - want).abs().amax(-1)[tokens].max()) / scale_ > 1e-3
 
 
 def test_attributing_a_frozen_trace_is_refused_in_either_order():

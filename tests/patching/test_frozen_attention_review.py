@@ -7,11 +7,9 @@ backward through a layer whose input did not move, refused by name; ``Lorsa.forw
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
-from helpers import make_lorsa, pattern_holding_attention, random_ids, tiny_nnsight
+from helpers import make_lorsa, pattern_held_logits, random_ids, tiny_nnsight
 
 import nnsight_lorsa.envoy.frozen_attention as frozen_attention
 from nnsight_lorsa import ReplacementModel, get_adapter
@@ -21,24 +19,7 @@ from nnsight_lorsa.patching import MHSAHead, ablate, freeze_attention, scale
 BOUND = 2e-5
 
 
-def held(hf, monkeypatch, inputs, hooks_of):
-    """The unembedding's output of ``hf(**inputs)`` with every pattern held at the first (unedited) pass's and the
-    hooks ``hooks_of(st)`` (acting when ``not st['record']``)."""
-    arch = importlib.import_module(type(hf).__module__)
-    st: dict = {"record": True, "pattern": {}}
-    monkeypatch.setattr(arch, "eager_attention_forward",
-                        pattern_holding_attention(arch, lambda: st["record"], st["pattern"]))
-    seen: list = []
-    hooks = [*hooks_of(st), hf.get_output_embeddings().register_forward_hook(lambda m, a, o: seen.append(o))]
-    try:
-        with torch.no_grad():
-            hf(**inputs)
-            st["record"] = False
-            hf(**inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen[-1]
+held = pattern_held_logits
 
 
 def rel(a, b):

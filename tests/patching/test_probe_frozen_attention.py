@@ -3,11 +3,9 @@ pattern-holding Hugging Face reference; gradients through a frozen trace (refuse
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
-from helpers import make_sae, pattern_holding_attention, random_ids, tiny_nnsight
+from helpers import make_sae, pattern_held_logits, random_ids, tiny_nnsight
 
 from nnsight_lorsa import ReplacementModel, SAESet, get_adapter
 from nnsight_lorsa.errors import ArgumentError
@@ -16,24 +14,7 @@ from nnsight_lorsa.patching import Feature, MHSAHead, ablate, freeze_attention
 H = 1
 
 
-def held(hf, monkeypatch, inputs, hooks_of):
-    """The unembedding's output of ``hf(**inputs)`` with every pattern held at the first (unedited) pass's and the
-    hooks ``hooks_of(st)`` (active when ``not st['record']``)."""
-    arch = importlib.import_module(type(hf).__module__)
-    st: dict = {"record": True, "pattern": {}}
-    monkeypatch.setattr(arch, "eager_attention_forward",
-                        pattern_holding_attention(arch, lambda: st["record"], st["pattern"]))
-    seen: list = []
-    hooks = [*hooks_of(st), hf.get_output_embeddings().register_forward_hook(lambda m, a, o: seen.append(o))]
-    try:
-        with torch.no_grad():
-            hf(**inputs)
-            st["record"] = False
-            hf(**inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen[-1]
+held = pattern_held_logits
 
 
 def zero_head(hf, st, rows, pos, d):
