@@ -112,3 +112,13 @@ def refuse_training_space(module: Any, where: str) -> None:
             f"space (inputs × s_in = {scales[0]:.4g}, outputs × s_out = {scales[1]:.4g}): on raw activations its "
             "outputs are wrong. Use trainer.folded() — a copy acting on raw activations — to splice, evaluate or "
             "save it")
+
+
+def check_remote(value: Any, where: str) -> None:
+    """``remote`` of a call that runs a trace: True (NDIF), False (here) or ``"local"`` (the remote code path run here).
+
+    Raises:
+        ArgumentError: anything else, naming ``where`` (a truthy str or number would send the trace remote).
+    """
+    if not (isinstance(value, bool) or value == "local"):
+        raise ArgumentError(f"{where}(remote=...) must be True, False or 'local', got {value!r}")

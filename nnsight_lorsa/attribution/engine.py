@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .._checks import check_remote
 from .._memory import release_free_memory
 from .._progress import show_progress
 from ..envoy.nnsight_internals import hf_module
@@ -32,7 +33,7 @@ from .cached import attribute_cached, check_cache, in_dtype
 from .graph import Graph
 from .layout import Layout, LiveNodes
 from .offload import rows_label
-from .options import AttributionOptions, check_remote
+from .options import AttributionOptions
 from .qk import qk_for_graph
 from .replacement import FrozenReplacement, check_placement, layer_modules, transcoder_sites
 from .rows import RowScheduler, SparseRows, assemble, assemble_pruned

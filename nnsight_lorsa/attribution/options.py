@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._checks import check_remote
 from ..errors import ArgumentError, ConfigMismatchError
 from .logit_targets import RENAMED, Targets, check_targets
 from .replacement import memory_modes
@@ -25,16 +26,6 @@ def _count(value: Any, name: str, none_ok: bool = False) -> None:
         raise ArgumentError(f"attribute({name}=...) must be an int{' or None' if none_ok else ''}, got {value!r}")
     if value < 1:
         raise ConfigMismatchError(f"attribute({name}=...) must be >= 1, got {value}")
-
-
-def check_remote(value: Any, where: str) -> None:
-    """``remote`` of an attribution call: True (NDIF), False (here) or ``"local"`` (the remote code path run here).
-
-    Raises:
-        ArgumentError: anything else, naming ``where`` (a truthy str or number would send the trace remote).
-    """
-    if not (isinstance(value, bool) or value == "local"):
-        raise ArgumentError(f"{where}(remote=...) must be True, False or 'local', got {value!r}")
 
 
 def refuse_renamed(settings: dict[str, Any], where: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import nnsight
 import torch
 
-from ..attribution.options import check_remote
+from .._checks import check_remote
 from ..envoy.frozen_attention import FrozenAttention, fingerprint
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.padding import noted_inputs
@@ -68,13 +68,16 @@ def freeze_attention(replacement: Any, prompts: Any, targets: Any = (), *, remot
         r.check(t)
     check_prompts(prompts, "freeze_attention", model=r.model)
     adapter = r.adapter
-    inputs: dict[int, torch.Tensor] = {}
     with torch.no_grad(), r.model.trace(prompts, remote=remote):
         r.prepare(targets)  # reads the model's inputs first (arm_padding_check): the token ids recorded below
-        ids = nnsight.save(noted_inputs())
-        checksum = nnsight.save(fingerprint(hf_module(r.model), adapter))  # where the model runs: the server's
+        ids = noted_inputs()
+        checksum = fingerprint(hf_module(r.model), adapter)  # where the model runs: the server's
+        layer_inputs = {}
         for layer in range(adapter.n_layers):
             args, kwargs = r.model.get(adapter.attention_path(layer)).inputs
-            inputs[layer] = nnsight.save(adapter.attention_input(args, kwargs).detach().clone())
+            layer_inputs[layer] = adapter.attention_input(args, kwargs).detach().clone()
+        # one saved value: on a server a dict of the caller's is not filled (its copy there is)
+        saved = nnsight.save((ids, checksum, layer_inputs))
+    ids, checksum, inputs = saved
     seen = None if ids is None or ids[0] is None else ids
     return FrozenAttention(inputs, frozenset(targets), r.error, checksum, seen)
